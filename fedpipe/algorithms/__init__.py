@@ -1,0 +1,28 @@
+"""The methods, one file each, and the registry that maps a config's `method.name` to its class."""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+from pydantic import Field
+
+from fedpipe.algorithms.base import Algorithm, MethodParams
+from fedpipe.algorithms.fedavg import FedAvg
+from fedpipe.algorithms.fedprox import FedProx
+from fedpipe.algorithms.finetune import FedAvgFT, FedProxFT
+from fedpipe.algorithms.local import Local
+from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedMM
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, Local, FedAvgFT, FedProxFT, SuPerFedMM, SuPerFedLM)
+}
+
+# The `method` section of a run config: one of the methods' parameter classes, chosen by `name`.
+MethodConfig = Annotated[Union[tuple(cls.Params for cls in ALGORITHMS.values())], Field(discriminator="name")]
+
+
+def build_algorithm(params: MethodParams, model, seed: int) -> Algorithm:
+    return ALGORITHMS[params.name](params, model, seed)
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "MethodConfig", "MethodParams", "build_algorithm"]

@@ -1,0 +1,175 @@
+"""The algorithm interface: what a client optimises, what it uploads, how the server aggregates.
+
+An algorithm owns no loops, devices or files. It declares:
+- its phases (`phases`): which rounds, whether clients are sampled, whether they communicate;
+- per phase, a client's parameter slots (`client_params`): named groups of tensors such as
+  ``{"global": ..., "local": ..., "anchor": ...}``, and the local stages that train some of them
+  (`stages`), each with a loss that is a pure function of those tensors and a batch, so the engine
+  can run one client or many at once (`torch.func.functional_call` / `vmap`);
+- what leaves the client (`client_result`) and how the server combines it (`aggregate`);
+- which models to evaluate (`global_model`, `personalized_candidates`).
+
+Parameters travel as plain ``dict[str, Tensor]`` keyed by the module's parameter names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedpipe.schema import Section
+
+Params = dict[str, torch.Tensor]
+Slots = dict[str, Params]  # slot name -> parameters, e.g. {"global": {...}, "local": {...}}
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of rounds run as one training job (one pipeline task)."""
+
+    name: str
+    first_round: int  # global, 1-based, inclusive
+    last_round: int  # inclusive
+    sample_clients: bool  # True: a fraction C of clients per round; False: every client, every round
+    communicates: bool  # clients upload and the server aggregates (opt-out clients stay out)
+    description: str
+    downloads: bool = True  # clients receive the server's model at the start of their round
+
+    @property
+    def rounds(self) -> range:
+        return range(self.first_round, self.last_round + 1)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stretch of local optimisation inside a client's round.
+
+    `loss(slots, x, y, noise)` must be pure: it reads only its arguments. `noise` is whatever
+    `Algorithm.batch_noise` drew for this batch (None when the stage needs no randomness).
+    """
+
+    trainable: tuple[str, ...]  # slots whose tensors the optimiser updates
+    epochs: int
+    loss: Callable[[Slots, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    lr_scale: float = 1.0  # multiplies the round's learning rate for this stage
+
+
+@dataclass(frozen=True)
+class Upload:
+    """What one client sent to the server in a round."""
+
+    client_id: int
+    num_samples: int  # training samples: the aggregation weight of sample-weighted averaging
+    tensors: Params
+
+
+@dataclass
+class ServerState:
+    """What the server keeps between rounds: the global model, plus per-client tensors for methods
+    whose server personalises (none of the methods in this module do)."""
+
+    global_params: Params
+    per_client: dict[int, Params] = field(default_factory=dict)
+
+
+class MethodParams(Section):
+    """Base of each method's hyperparameters (a `name` literal plus its own fields)."""
+
+    name: str
+
+
+class Algorithm(ABC):
+    """A federated method. Subclasses set `name`, `Params` and implement the abstract methods."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[MethodParams]]
+    paper: ClassVar[str]  # where its update rules come from
+
+    def __init__(self, params: MethodParams, model: nn.Module, seed: int):
+        self.params = params
+        self.model = model
+        self.seed = seed
+
+    # --- the network as a pure function -------------------------------------------------------
+    def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, params, (x,))
+
+    # --- phases ---------------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
+        """The method's phases for a run of `rounds` federated rounds (known from the config alone,
+        so a pipeline can be generated without loading data)."""
+
+    # --- client side ----------------------------------------------------------------------------
+    @abstractmethod
+    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+        """The slots a client trains and reads this round, built from what it downloaded and the
+        state it kept from earlier rounds (None on its first round). Returned tensors may alias
+        their inputs: the engine copies the trainable ones before optimising."""
+
+    @abstractmethod
+    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
+        """The local optimisation stages of a client's round in `phase`."""
+
+    def batch_noise(self, phase: Phase, stage: Stage, generator: torch.Generator) -> torch.Tensor | None:
+        """Per-batch randomness the loss needs (SuPerFed's lam). Drawn from the client's generator."""
+        return None
+
+    @abstractmethod
+    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+        """(upload, new persistent state) after local training. upload None: nothing is sent."""
+
+    # --- server side ----------------------------------------------------------------------------
+    def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
+        """What a client receives at the start of a round (by default the global model)."""
+        return server.global_params
+
+    def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
+        """Combine the round's uploads (by default: sample-weighted average into the global model)."""
+        if not uploads:
+            return server
+        averaged = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        return ServerState({**server.global_params, **averaged}, server.per_client)
+
+    # --- evaluation -----------------------------------------------------------------------------
+    def global_model(self, server: ServerState) -> Params | None:
+        """The model evaluated on the global test set (None when the method has none)."""
+        return server.global_params
+
+    def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:
+        """A client's personalized model(s). With several candidates (SuPerFed's lam grid) the engine
+        picks one per client on its validation split and reports the whole curve."""
+        return [(0.0, self.global_model(server) or server.global_params)]
+
+    @property
+    def candidate_label(self) -> str | None:
+        """Name of the candidate axis when there are several (e.g. "lam")."""
+        return None
+
+
+def weighted_average(tensors: list[Params], weights: list[float]) -> Params:
+    """Sum_k w_k * theta_k / Sum_k w_k, per tensor (FedAvg, McMahan et al. 2017, Algorithm 1).
+
+    Done in float64 and cast back, so the result does not depend on the clients' order beyond
+    float64 rounding.
+    """
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("aggregation weights must sum to a positive number")
+    out: Params = {}
+    for name in tensors[0]:
+        acc = torch.zeros_like(tensors[0][name], dtype=torch.float64)
+        for t, w in zip(tensors, weights):
+            acc.add_(t[name].to(torch.float64), alpha=w / total)
+        out[name] = acc.to(tensors[0][name].dtype)
+    return out
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, y)

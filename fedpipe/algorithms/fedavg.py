@@ -1,0 +1,39 @@
+"""FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
+Data", AISTATS 2017, Algorithm 1): E local epochs of SGD, sample-weighted averaging on the server."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from fedpipe.algorithms.base import Algorithm, MethodParams, Params, Phase, Slots, Stage, cross_entropy
+
+
+class FedAvgParams(MethodParams):
+    """FedAvg has no hyperparameters beyond the shared training ones (train.*)."""
+
+    name: Literal["fedavg"] = "fedavg"
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"
+    Params = FedAvgParams
+    paper = "McMahan et al. 2017, Algorithm 1"
+
+    @classmethod
+    def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
+        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
+                      description="federated training of one global model")]
+
+    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+        return {"global": download}
+
+    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
+        return [Stage(("global",), local_epochs, self.loss)]
+
+    def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        return cross_entropy(self.forward(slots["global"], x), y)
+
+    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+        return slots["global"], state

@@ -1,0 +1,30 @@
+"""Errors a user can act on.
+
+Every error raised for bad input is a `FedpipeError`: its message says what is wrong and how to
+fix it, in plain words, in one paragraph. The CLI prints that message and exits non-zero without a
+traceback; anything else that escapes is a bug in fedpipe.
+"""
+
+
+class FedpipeError(Exception):
+    """A problem the user can fix (bad config, missing data, unreachable service, bad artifact)."""
+
+
+class ConfigError(FedpipeError):
+    """The run configuration is invalid."""
+
+
+class DataError(FedpipeError):
+    """A dataset is missing or unreadable, or a split cannot be satisfied."""
+
+
+class StoreError(FedpipeError):
+    """The artifact store cannot be reached, or an object is missing."""
+
+
+class CorruptArtifactError(StoreError):
+    """An artifact's bytes do not match the sha256 recorded when it was written."""
+
+
+class TrainingError(FedpipeError):
+    """Training cannot go on (for example every client of a round failed)."""

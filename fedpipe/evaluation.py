@@ -1,0 +1,167 @@
+"""Evaluation: the global model on the global test set, and each client's personalized model(s) on
+its own validation and test splits.
+
+When a method offers several personalized candidates per client (SuPerFed's lam grid), each client
+picks one on its validation split (highest accuracy, then lowest loss); the headline is that pick's
+test accuracy. The test-oracle pick (best test accuracy, what SuPerFed's official code reports) is
+given beside it, labelled as such, and so is the whole curve.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from fedpipe.algorithms.base import Algorithm, Params, ServerState
+from fedpipe.engine.data import FederatedData, Split
+
+
+@dataclass(frozen=True)
+class Scores:
+    accuracy: float  # top-1, 0..1
+    top5: float
+    loss: float  # mean cross-entropy
+    ece: float  # expected calibration error
+    n: int
+
+    @property
+    def correct(self) -> float:
+        return self.accuracy * self.n
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """The model in eval mode (dropout off, batch-norm statistics frozen) and no autograd."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def predict(algorithm: Algorithm, params: Params, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Logits for `x` in batches (call inside `eval_mode`)."""
+    if len(x) == 0:
+        return torch.empty(0)
+    return torch.cat([algorithm.forward(params, x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+
+
+def expected_calibration_error(probs: torch.Tensor, y: torch.Tensor, bins: int) -> float:
+    """ECE with `bins` equal-width confidence bins (Guo et al. 2017, Eq. 3):
+    sum_b |B_b| / n * |acc(B_b) - conf(B_b)| = sum_b |sum_{i in B_b} (correct_i - conf_i)| / n,
+    confidence = the top softmax probability; bin b holds confidences in (b/bins, (b+1)/bins]."""
+    if len(y) == 0:
+        return float("nan")
+    conf, pred = probs.double().max(dim=1)
+    which = (torch.ceil(conf * bins).long() - 1).clamp_(0, bins - 1)
+    gap = torch.zeros(bins, dtype=torch.float64, device=probs.device).index_add_(0, which, (pred == y).double() - conf)
+    return float(gap.abs().sum() / len(y))
+
+
+def score(logits: torch.Tensor, y: torch.Tensor, ece_bins: int | None) -> Scores:
+    """Top-1, top-5, mean cross-entropy and (unless ece_bins is None) ECE of `logits` against `y`."""
+    n = int(len(y))
+    if n == 0:
+        return Scores(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+    k = min(5, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    return Scores(
+        accuracy=float((top[:, 0] == y).double().mean()),
+        top5=float((top == y[:, None]).any(dim=1).double().mean()),
+        loss=float(F.cross_entropy(logits, y, reduction="mean")),
+        ece=expected_calibration_error(F.softmax(logits.double(), dim=1), y, ece_bins) if ece_bins else float("nan"),
+        n=n,
+    )
+
+
+def evaluate_model(algorithm: Algorithm, params: Params, split: Split, batch_size: int, ece_bins: int) -> Scores:
+    with eval_mode(algorithm.model):
+        return score(predict(algorithm, params, split.x, batch_size), split.y, ece_bins)
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    client_id: int
+    opt_out: bool
+    candidates: tuple[float, ...]  # e.g. the lam grid; one entry for methods with a single model
+    val: tuple[Scores, ...]  # per candidate (on the training split when the client has no validation split)
+    test: tuple[Scores, ...]
+    chosen: int  # index picked on validation
+    oracle: int  # index with the best test accuracy (reported beside, never as the headline)
+
+    @property
+    def accuracy(self) -> float:
+        return self.test[self.chosen].accuracy
+
+
+@dataclass(frozen=True)
+class PersonalizedResult:
+    clients: tuple[ClientResult, ...]
+    candidate_label: str | None
+
+    @property
+    def mean_accuracy(self) -> float:
+        return float(np.mean([c.accuracy for c in self.clients]))
+
+    @property
+    def std_accuracy(self) -> float:
+        return float(np.std([c.accuracy for c in self.clients]))
+
+    @property
+    def weighted_accuracy(self) -> float:
+        correct = sum(c.test[c.chosen].correct for c in self.clients)
+        return float(correct / max(sum(c.test[c.chosen].n for c in self.clients), 1))
+
+    @property
+    def oracle_mean_accuracy(self) -> float:
+        return float(np.mean([c.test[c.oracle].accuracy for c in self.clients]))
+
+    def curve(self) -> list[tuple[float, float, float]]:
+        """(candidate, mean test accuracy over clients, std) for each candidate."""
+        values = self.clients[0].candidates
+        return [
+            (v, float(np.mean([c.test[i].accuracy for c in self.clients])), float(np.std([c.test[i].accuracy for c in self.clients])))
+            for i, v in enumerate(values)
+        ]
+
+
+def _pick(scores: tuple[Scores, ...]) -> int:
+    """Highest accuracy, then lowest loss, then the first candidate."""
+    return min(range(len(scores)), key=lambda i: (-scores[i].accuracy, scores[i].loss, i))
+
+
+def evaluate_personalized(
+    algorithm: Algorithm, server: ServerState, client_states: dict[int, Params], data: FederatedData, batch_size: int, ece_bins: int
+) -> PersonalizedResult:
+    results = []
+    with eval_mode(algorithm.model):
+        for client in data.clients:
+            candidates = algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id)
+            select_on = client.val if len(client.val) else client.train
+            x = torch.cat([select_on.x, client.test.x])  # one forward per candidate for both splits
+            cut = len(select_on)
+            val, test, seen = [], [], {}
+            for _, params in candidates:
+                # a candidate that is the very same tensors as an earlier one is not run again
+                if id(params) not in seen:
+                    seen[id(params)] = predict(algorithm, params, x, batch_size)
+                logits = seen[id(params)]
+                val.append(score(logits[:cut], select_on.y, None))  # selection needs accuracy and loss only
+                test.append(score(logits[cut:], client.test.y, ece_bins))
+            results.append(
+                ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val), tuple(test), _pick(val), _pick(test))
+            )
+    return PersonalizedResult(tuple(results), algorithm.candidate_label)
+
+
+def evaluate_global(algorithm: Algorithm, server: ServerState, data: FederatedData, batch_size: int, ece_bins: int) -> Scores | None:
+    params = algorithm.global_model(server)
+    if params is None or len(data.global_test) == 0:
+        return None
+    return evaluate_model(algorithm, params, data.global_test, batch_size, ece_bins)

@@ -1,0 +1,139 @@
+"""The networks the papers use, as plain `nn.Module`s, and one registry to build them by name.
+
+Algorithms never hold these modules' parameters: the engine keeps parameters as plain tensors and
+calls a module through `torch.func.functional_call`, so one module object serves every client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fedpipe.errors import ConfigError
+
+
+class TwoNN(nn.Module):
+    """McMahan et al. (2017) "2NN": a 784-200-200-C perceptron with ReLU (FedAvg's MNIST MLP)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, hidden: int = 200):
+        super().__init__()
+        c, h, w = input_shape
+        self.body = nn.Sequential(
+            nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
+        )
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class SuPerFedCNN(nn.Module):
+    """The 5-layer CNN of SuPerFed's Table 4 (Hahn et al., 2022, appendix).
+
+    conv 32 5x5, pool; conv 64 5x5, pool; conv 32 kxk, pool; fc 512; fc C; ReLU everywhere but the
+    output. Table 4 varies the third kernel and the pool size by dataset: 3x3 conv and 2x2 pools for
+    32x32 inputs (CIFAR), 2x2 conv and 2x2 pools for 28x28 (EMNIST, MNIST), 2x2 conv and 3x3 pools for
+    64x64 (TinyImageNet). Every one of them ends in a 32x1x1 feature map, so fc1 takes 32 inputs.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int):
+        super().__init__()
+        c, h, _ = input_shape
+        conv3_kernel, pool = {28: (2, 2), 32: (3, 2), 64: (2, 3)}.get(h, (2, 2))
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 5), nn.ReLU(), nn.MaxPool2d(pool),
+            nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(pool),
+            nn.Conv2d(64, 32, conv3_kernel), nn.ReLU(), nn.MaxPool2d(pool),
+            nn.Flatten(),
+        )
+        self.body = nn.Sequential(nn.Linear(_flat_size(self.features, input_shape), 512), nn.ReLU())
+        self.head = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.features(x)))
+
+
+class LeNet5(nn.Module):
+    """The LeNet-style CNN of pFedMB (Mori et al.) and the federated mixture of experts (Listo Zec et al.).
+
+    conv 6 5x5, pool; conv 16 5x5, pool; fc 120; fc 84; fc C; ReLU.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int):
+        super().__init__()
+        c = input_shape[0]
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.body = nn.Sequential(
+            nn.Linear(_flat_size(self.features, input_shape), 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU()
+        )
+        self.head = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.features(x)))
+
+
+class McMahanCNN(nn.Module):
+    """The MNIST CNN of McMahan et al. (2017): conv 32 5x5, pool; conv 64 5x5, pool; fc 512; fc C.
+
+    Bias-free, as in the throughput comparisons of ../shared/reference/peers.md (24.7 MFLOP per
+    28x28 sample, forward and backward).
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int):
+        super().__init__()
+        c = input_shape[0]
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 5, bias=False), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, bias=False), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.body = nn.Sequential(nn.Linear(_flat_size(self.features, input_shape), 512, bias=False), nn.ReLU())
+        self.head = nn.Linear(512, num_classes, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.features(x)))
+
+
+def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
+    with torch.no_grad():
+        return int(features(torch.zeros(1, *input_shape)).shape[1])
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    build: Callable[[tuple[int, int, int], int], nn.Module]
+    min_side: int  # smallest image side the architecture accepts
+    description: str
+
+
+MODELS: dict[str, ModelInfo] = {
+    info.name: info
+    for info in (
+        ModelInfo("twonn", TwoNN, 1, "784-200-200-C MLP of McMahan et al. (FedAvg)"),
+        ModelInfo("superfed_cnn", SuPerFedCNN, 28, "5-layer CNN of SuPerFed's Table 4"),
+        ModelInfo("lenet5", LeNet5, 16, "LeNet-style CNN of pFedMB and the federated mixture of experts"),
+        ModelInfo("mcmahan_cnn", McMahanCNN, 16, "bias-free MNIST CNN of McMahan et al. (FedAvg)"),
+    )
+}
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Build model `name` for inputs of `input_shape` (C, H, W) and `num_classes` outputs."""
+    if name not in MODELS:
+        raise ConfigError(f"model.name={name!r} is not a known model; choose one of {', '.join(MODELS)}.")
+    info = MODELS[name]
+    side = min(input_shape[1:])
+    if side < info.min_side:
+        raise ConfigError(
+            f"model.name={name!r} needs images at least {info.min_side}x{info.min_side}, but the dataset's "
+            f"images are {input_shape[1]}x{input_shape[2]}; use model.name=twonn for small images."
+        )
+    return info.build(input_shape, num_classes)

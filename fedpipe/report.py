@@ -1,0 +1,140 @@
+"""The report of a run: a summary (JSON and Markdown), a per-client table, the candidate curve
+(SuPerFed's lam curve) and the plots, all under <run>/report/ in the store."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import TYPE_CHECKING
+
+from fedpipe import plots
+from fedpipe.algorithms.base import Algorithm, Phase
+from fedpipe.engine.data import FederatedData
+from fedpipe.engine.state import PhaseState
+from fedpipe.evaluation import PersonalizedResult, Scores, evaluate_global, evaluate_personalized
+from fedpipe.telemetry.jsonl import read_rounds
+
+if TYPE_CHECKING:
+    from fedpipe.steps import Run
+
+
+def write_report(run: "Run", algorithm: Algorithm, state: PhaseState, data: FederatedData, phases: list[Phase]) -> dict:
+    cfg, store, paths = run.cfg, run.store, run.paths
+    pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins)
+    glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
+    rows = read_rounds(store, [paths.rounds(p.name) for p in phases])
+    summary = build_summary(run, pers, glob, rows, data)
+
+    store.put_text(paths.report("summary.json"), json.dumps(summary, indent=2))
+    store.put_text(paths.report("clients.csv"), clients_csv(pers, data))
+    run._put_plot("accuracy.png", lambda p: plots.accuracy_per_round(rows, p, phases, title=summary["title"]))
+    if len(pers.clients[0].candidates) > 1:
+        store.put_text(paths.report(f"{pers.candidate_label}_curve.csv"), curve_csv(pers))
+        run._put_plot(f"{pers.candidate_label}_curve.png", lambda p: plots.candidate_curve(pers, p, title=summary["title"]))
+    store.put_text(paths.report("report.md"), markdown(summary, pers))
+    summary["report"] = store.url(paths.report_dir)
+    return summary
+
+
+def _scores(s: Scores | None) -> dict | None:
+    return None if s is None else {"top1": s.accuracy, "top5": s.top5, "loss": s.loss, "ece": s.ece, "n": s.n}
+
+
+def build_summary(run: "Run", pers: PersonalizedResult, glob: Scores | None, rows: list[dict], data: FederatedData) -> dict:
+    cfg = run.cfg
+    personalized = {
+        "mean": pers.mean_accuracy,
+        "std": pers.std_accuracy,
+        "weighted": pers.weighted_accuracy,
+        "clients": len(pers.clients),
+    }
+    if pers.candidate_label:
+        chosen = sorted(c.candidates[c.chosen] for c in pers.clients)
+        personalized[f"chosen_{pers.candidate_label}"] = {
+            "median": chosen[len(chosen) // 2],
+            "mean": sum(chosen) / len(chosen),
+            "selected_on": "validation split",
+        }
+        personalized["test_oracle_mean"] = pers.oracle_mean_accuracy
+    return {
+        "title": f"{cfg.method.name} on {cfg.data.dataset} ({cfg.partition.scheme}, {data.num_clients} clients, seed {cfg.run.seed})",
+        "run_id": run.paths.run_id,
+        "method": cfg.method.name,
+        "dataset": cfg.data.dataset,
+        "partition": cfg.partition.scheme,
+        "num_clients": data.num_clients,
+        "rounds": cfg.train.rounds,
+        "seed": cfg.run.seed,
+        "personalized_accuracy": personalized,
+        "global_model": _scores(glob),
+        "communication": {
+            "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in rows)),
+            "bytes_downloaded": int(sum(r["bytes_downloaded"] for r in rows)),
+        },
+        "training_seconds": float(sum(r["seconds"] for r in rows)),
+    }
+
+
+def clients_csv(pers: PersonalizedResult, data: FederatedData) -> str:
+    out = io.StringIO()
+    w = csv.writer(out)
+    label = pers.candidate_label
+    head = ["client", "opt_out", "train", "val", "test", "accuracy", "loss", "ece"]
+    if label:
+        head += [f"chosen_{label}", f"oracle_{label}", "oracle_accuracy"]
+    w.writerow(head)
+    by_id = {c.client_id: c for c in data.clients}
+    for c in pers.clients:
+        d, t = by_id[c.client_id], c.test[c.chosen]
+        row = [c.client_id, int(c.opt_out), len(d.train), len(d.val), len(d.test), f"{t.accuracy:.4f}", f"{t.loss:.4f}", f"{t.ece:.4f}"]
+        if label:
+            row += [c.candidates[c.chosen], c.candidates[c.oracle], f"{c.test[c.oracle].accuracy:.4f}"]
+        w.writerow(row)
+    return out.getvalue()
+
+
+def curve_csv(pers: PersonalizedResult) -> str:
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow([pers.candidate_label, "mean_test_accuracy", "std_test_accuracy", "clients_choosing_it"])
+    picks = [c.candidates[c.chosen] for c in pers.clients]
+    for value, mean, std in pers.curve():
+        w.writerow([value, f"{mean:.4f}", f"{std:.4f}", picks.count(value)])
+    return out.getvalue()
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f}%"
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The summary as aligned lines for a terminal."""
+    p, g, c = summary["personalized_accuracy"], summary["global_model"], summary["communication"]
+    lines = [
+        summary["title"],
+        f"  personalized accuracy  {_pct(p['mean'])} ± {_pct(p['std'])} (mean over {p['clients']} clients; sample-weighted {_pct(p['weighted'])})",
+    ]
+    for key, val in p.items():
+        if key.startswith("chosen_"):
+            name = key.removeprefix("chosen_")
+            lines.append(f"  chosen {name:<15} median {val['median']:.2f}, mean {val['mean']:.2f} (picked per client on its validation split)")
+            lines.append(f"  test-oracle {name:<10} {_pct(p['test_oracle_mean'])} (best {name} on each client's test split: optimistic, for reference)")
+    if g is None:
+        lines.append("  global model           none (this method trains no global model)")
+    else:
+        lines.append(f"  global model           top-1 {_pct(g['top1'])}, top-5 {_pct(g['top5'])}, loss {g['loss']:.3f}, ECE {g['ece']:.3f}")
+    lines.append(f"  communication          {c['bytes_uploaded'] / 1e6:.1f} MB up, {c['bytes_downloaded'] / 1e6:.1f} MB down")
+    lines.append(f"  training time          {summary['training_seconds']:.0f} s")
+    if "report" in summary:
+        lines.append(f"  report                 {summary['report']}")
+    return lines
+
+
+def markdown(summary: dict, pers: PersonalizedResult) -> str:
+    lines = [f"# {summary['title']}", "", "```", *summary_lines(summary), "```", ""]
+    lines += ["![accuracy per round](accuracy.png)", ""]
+    if pers.candidate_label and len(pers.clients[0].candidates) > 1:
+        lines += [f"![{pers.candidate_label} curve]({pers.candidate_label}_curve.png)", ""]
+    lines += ["![partition](partition_heatmap.png)", "", "Per-client results: [clients.csv](clients.csv).", ""]
+    return "\n".join(lines)

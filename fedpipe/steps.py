@@ -1,0 +1,229 @@
+"""The steps of a run: partition, train one phase, evaluate. The CLI, the Kubeflow components and the
+tests all call these; each reads its inputs from the store and writes its outputs there.
+
+Bad input is found before anything is written: a step validates the config, loads the data and
+builds the partition (or reads the previous phase's state) first, and only then writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from fedpipe.algorithms import ALGORITHMS, Algorithm, build_algorithm
+from fedpipe.algorithms.base import Phase, ServerState
+from fedpipe.config import RunConfig
+from fedpipe.data import DatasetBundle
+from fedpipe.data.datasets import load_dataset
+from fedpipe.data.partition import Partition, make_partition
+from fedpipe.engine.data import prepare_data
+from fedpipe.engine.rounds import run_phase
+from fedpipe.engine.seeding import derive_seed
+from fedpipe.engine.state import Checkpoints, PhaseState
+from fedpipe.errors import ConfigError, StoreError
+from fedpipe.models import build_model
+from fedpipe.store import Store, open_store
+from fedpipe.telemetry import RunLabels, Telemetry
+from fedpipe.telemetry.jsonl import JsonlSink
+from fedpipe.telemetry.progress import ProgressSink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run's artifacts live in the store (one place for every key)."""
+
+    run_id: str
+
+    @property
+    def run_record(self) -> str:
+        return f"{self.run_id}/run.json"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.run_id}/partition/manifest.json"
+
+    @property
+    def report_dir(self) -> str:
+        return f"{self.run_id}/report"
+
+    def report(self, name: str) -> str:
+        return f"{self.report_dir}/{name}"
+
+    def rounds(self, phase: str) -> str:
+        return self.report(f"rounds-{phase}.jsonl")
+
+
+class Run:
+    """A configured run bound to its store: the dataset, model and algorithm are built on demand."""
+
+    def __init__(self, cfg: RunConfig, store: Store | None = None):
+        self.cfg = cfg
+        self.store = store if store is not None else open_store(cfg.run.store)
+        self.paths = RunPaths(cfg.run_id())
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self._bundle: DatasetBundle | None = None
+
+    # --- building blocks --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        want = self.cfg.run.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("run.device=cuda but no GPU is visible to PyTorch; use run.device=auto or cpu.")
+        return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+
+    @property
+    def bundle(self) -> DatasetBundle:
+        if self._bundle is None:
+            self._bundle = load_dataset(self.cfg.data)
+        return self._bundle
+
+    def build_algorithm(self) -> tuple[Algorithm, dict]:
+        """The algorithm and the initial global parameters (seeded: same seed, same weights)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.cfg.run.seed, "init-global"))
+            model = build_model(self.cfg.model_name(), self.bundle.input_shape, self.bundle.num_classes)
+        model = model.to(self.device)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return build_algorithm(self.cfg.method, model, self.cfg.run.seed), initial
+
+    def phases(self) -> list[Phase]:
+        return ALGORITHMS[self.cfg.method.name].phases(self.cfg.method, self.cfg.train.rounds)
+
+    def labels(self, phase: str) -> RunLabels:
+        return RunLabels(self.paths.run_id, self.cfg.telemetry.pipeline, self.cfg.method.name, phase, self.cfg.data.dataset)
+
+    # --- the run record: one config per run -------------------------------------------------------
+    def check_record(self, *, create: bool) -> None:
+        """The run folder belongs to one configuration; refuse to mix another into it."""
+        key = self.paths.run_record
+        if not self.store.exists(key):
+            if create:
+                record = {"run_id": self.paths.run_id, "fingerprint": self.cfg.fingerprint(), "config": self.cfg.model_dump(mode="json")}
+                self.store.put_text(key, json.dumps(record, indent=2))
+                return
+            raise StoreError(f"Run {self.paths.run_id!r} has not been partitioned yet ({self.store.url(key)} is missing). Run `fedpipe partition` (or `fedpipe run`) first.")
+        record = json.loads(self.store.get_text(key))
+        if record.get("fingerprint") != self.cfg.fingerprint():
+            diff = _config_diff(record.get("config", {}), self.cfg.model_dump(mode="json"))
+            raise ConfigError(
+                f"Run {self.paths.run_id!r} in {self.store.url()} was made with a different configuration "
+                f"({diff}). Give this config another run.id, or pass --fresh to start that run over."
+            )
+
+    def fresh(self) -> None:
+        """Delete everything the run has written."""
+        for key in self.store.list(f"{self.paths.run_id}/"):
+            self.store.delete(key)
+
+    # --- step 1: partition ------------------------------------------------------------------------
+    def partition(self) -> Partition:
+        """Split the dataset over clients; write the manifest and the label heatmap."""
+        partition = make_partition(self.bundle, self.cfg.partition, self.cfg.run.seed)  # may raise: nothing written yet
+        if self.store.exists(self.paths.manifest):
+            self.check_record(create=False)
+            log.info("Partition of run %s already exists; reusing it.", self.paths.run_id)
+            return self.load_partition()
+        self.check_record(create=True)
+        from fedpipe.plots import partition_heatmap
+
+        self.store.put_text(self.paths.manifest, json.dumps(partition.to_manifest()))
+        self._put_plot(
+            "partition_heatmap.png",
+            lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=f"{self.cfg.data.dataset}: {self.cfg.partition.scheme} split"),
+        )
+        return partition
+
+    def load_partition(self) -> Partition:
+        if not self.store.exists(self.paths.manifest):
+            raise StoreError(f"{self.store.url(self.paths.manifest)} is missing: run `fedpipe partition` first.")
+        partition = Partition.from_manifest(json.loads(self.store.get_text(self.paths.manifest)))
+        partition.check_matches(self.bundle)
+        return partition
+
+    # --- step 2: one training phase ---------------------------------------------------------------
+    def train(self, phase_name: str, telemetry_sinks: list | None = None) -> PhaseState:
+        """Run one phase, resuming from its last good checkpoint; returns the phase's final state."""
+        phases = self.phases()
+        names = [p.name for p in phases]
+        if phase_name not in names:
+            raise ConfigError(f"method {self.cfg.method.name!r} has no phase {phase_name!r}; its phases are: {', '.join(names)}.")
+        self.check_record(create=False)
+        phase = phases[names.index(phase_name)]
+        ckpt = Checkpoints(self.store, self.paths.run_id, phase.name)
+        if ckpt.has_final():
+            log.info("Phase %s of run %s already finished; reusing its state.", phase.name, self.paths.run_id)
+            return ckpt.load_final(self.device)
+        algorithm, initial = self.build_algorithm()
+        index = names.index(phase_name)
+        if index == 0:
+            start = PhaseState(self.cfg.method.name, "init", 0, ServerState(initial), {}, self.cfg.fingerprint())
+        else:
+            start = Checkpoints(self.store, self.paths.run_id, names[index - 1]).load_final(self.device)
+        data = prepare_data(self.bundle, self.load_partition(), self.device)
+        resumed = ckpt.latest_good(self.device)
+        if resumed is not None and resumed.round >= start.round:
+            log.info("Resuming phase %s of run %s after round %d.", phase.name, self.paths.run_id, resumed.round)
+            start = resumed
+        with Telemetry(telemetry_sinks if telemetry_sinks is not None else self.default_sinks(phase.name)) as telemetry:
+            return run_phase(self.cfg, algorithm, phase, data, start, ckpt, telemetry, self.labels(phase.name))
+
+    def default_sinks(self, phase: str) -> list:
+        sinks: list = [JsonlSink(self.store, self.paths.rounds(phase))]
+        if self.cfg.telemetry.progress:
+            sinks.append(ProgressSink())
+        url = self.cfg.telemetry.pushgateway or os.environ.get("FEDPIPE_PUSHGATEWAY")
+        if url:
+            from fedpipe.telemetry.prometheus import PrometheusSink
+
+            sinks.append(PrometheusSink(url))
+        return sinks
+
+    # --- step 3: evaluate -------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Evaluate the last phase's state and write the report; returns the summary."""
+        from fedpipe.report import write_report
+
+        self.check_record(create=False)
+        phases = self.phases()
+        state = Checkpoints(self.store, self.paths.run_id, phases[-1].name).load_final(self.device)
+        algorithm, _ = self.build_algorithm()
+        data = prepare_data(self.bundle, self.load_partition(), self.device)
+        return write_report(self, algorithm, state, data, phases)
+
+    # --- all steps ----------------------------------------------------------------------------------
+    def run_all(self) -> dict:
+        self.partition()
+        for phase in self.phases():
+            self.train(phase.name)
+        return self.evaluate()
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def _put_plot(self, name: str, draw) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            draw(path)
+            self.store.put(self.paths.report(name), path.read_bytes())
+        return self.paths.report(name)
+
+
+def _config_diff(old: dict, new: dict, prefix: str = "") -> str:
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = _config_diff(a, b, f"{prefix}{key}.")
+            if sub:
+                changes.append(sub)
+        elif a != b:
+            changes.append(f"{prefix}{key}: {yaml.safe_dump(a, default_flow_style=True).strip()} -> {yaml.safe_dump(b, default_flow_style=True).strip()}")
+    return "; ".join(changes)

@@ -1,0 +1,216 @@
+"""A store in a local folder: each object is a plain file at ``root/key``.
+
+Users can open what fedpipe writes (report PNGs, JSON) straight from the folder. Each object's
+sha256 lies in the hidden folder beside it, ``<dir>/.sha256/<name>``, in ``sha256sum`` format
+(``cd <dir> && sha256sum -c .sha256/<name>`` checks it by hand), out of the way of people browsing.
+
+Write protocol (`put`), so that a visible object always has its hash and is never half-written:
+
+1. the sidecar is written to a temp file in the sidecar folder, fsynced and renamed to
+   ``<dir>/.sha256/<name>``;
+2. the data is written to a temp file in the same folder, fsynced and renamed to ``<key>``;
+3. the folder is fsynced.
+
+If step 2 fails the previous sidecar is put back (or removed when there was no object), and
+temp files are removed. Temp files are named ``.fedpipe-tmp-*``; `list` hides them and sidecars.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+from fedpipe.errors import CorruptArtifactError, StoreError
+from fedpipe.store import SIDECAR_DIR, TEMP_PREFIX, validate_key, validate_prefix
+from fedpipe.store.base import Store, sha256_hex
+
+__all__ = ["LocalStore"]
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_temp(directory: Path, data: bytes) -> Path:
+    """Write `data` to a new temp file in `directory`, fsynced; return its path."""
+    tmp = directory / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
+    # 0o666 masked by the umask, like any file the user creates (mkstemp would force 0o600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return tmp
+
+
+class LocalStore(Store):
+    """Objects as plain files under `root`, each with its sha256 in a hidden ``.sha256/`` sidecar."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).expanduser().resolve()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot create the artifact folder {self.root}: {exc.strerror or exc}. "
+                "Check the path and that you may write there."
+            ) from exc
+        if not self.root.is_dir():
+            raise StoreError(f"The artifact store path {self.root} exists but is not a folder.")
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*validate_key(key).split("/"))
+
+    @staticmethod
+    def _sidecar(path: Path) -> Path:
+        return path.parent / SIDECAR_DIR / path.name
+
+    def url(self, key: str = "") -> str:
+        return str(self._path(key)) if key else str(self.root)
+
+    # -- Store API -----------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> str:
+        path = self._path(key)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise StoreError(f"Can only store bytes under {key!r}, got {type(data).__name__}.")
+        data = bytes(data)
+        digest = sha256_hex(data)
+        sidecar = self._sidecar(path)
+        try:
+            sidecar.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_dir():
+                raise StoreError(f"Cannot write {path}: a folder of that name is in the way.")
+            old_sidecar = sidecar.read_bytes() if sidecar.is_file() else None
+            side_tmp = _write_temp(sidecar.parent, f"{digest}  {path.name}\n".encode())
+            try:
+                os.replace(side_tmp, sidecar)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    side_tmp.unlink()
+                raise
+            data_tmp = None
+            try:
+                data_tmp = _write_temp(path.parent, data)
+                os.replace(data_tmp, path)
+            except BaseException:
+                if data_tmp is not None:
+                    with contextlib.suppress(OSError):
+                        data_tmp.unlink()
+                self._restore_sidecar(sidecar, old_sidecar, had_object=path.is_file())
+                raise
+            _fsync_dir(path.parent)
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise StoreError(
+                f"Could not write the artifact {path}: {exc.strerror or exc}. "
+                "Check free disk space and permissions on the store folder."
+            ) from exc
+        return digest
+
+    @staticmethod
+    def _restore_sidecar(sidecar: Path, old: bytes | None, *, had_object: bool) -> None:
+        """After a failed data write: put the previous hash back so the old object still checks."""
+        with contextlib.suppress(OSError):
+            if old is not None and had_object:
+                tmp = _write_temp(sidecar.parent, old)
+                try:
+                    os.replace(tmp, sidecar)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+            elif not had_object:
+                sidecar.unlink(missing_ok=True)
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise StoreError(
+                f"No artifact at {path}: it was never written, or was deleted. "
+                "Run the step that produces it first (or check the store path)."
+            ) from None
+        except IsADirectoryError:
+            raise StoreError(f"{path} is a folder, not an artifact.") from None
+        except OSError as exc:
+            raise StoreError(f"Could not read the artifact {path}: {exc.strerror or exc}.") from exc
+        sidecar = self._sidecar(path)
+        try:
+            recorded = sidecar.read_text(encoding="ascii", errors="replace").split()
+        except FileNotFoundError:
+            raise CorruptArtifactError(
+                f"The artifact {path} has no recorded sha256 ({sidecar} is missing), so its "
+                "integrity cannot be checked: it was not written by fedpipe or its hash file was "
+                "deleted. Re-run the step that produces it."
+            ) from None
+        except OSError as exc:
+            raise StoreError(f"Could not read the hash file {sidecar}: {exc.strerror or exc}.") from exc
+        expected = recorded[0].lower() if recorded else ""
+        actual = sha256_hex(data)
+        if actual != expected:
+            raise CorruptArtifactError(
+                f"The artifact {path} is corrupt: its sha256 is {actual} ({len(data)} bytes) but "
+                f"{expected or 'nothing readable'} was recorded in {sidecar} when it was "
+                "written, so the file was changed or truncated after it was written. Delete it and "
+                "re-run the step that produces it, or restore it from a copy."
+            )
+        return data
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return path.is_file() and self._sidecar(path).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        prefix = validate_prefix(prefix)
+        # Walk only the deepest folder the prefix names completely.
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root.joinpath(*head.split("/")) if head else self.root
+        if not start.is_dir():
+            return []
+        keys = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != SIDECAR_DIR]
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+            for name in filenames:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            # Data first: an object is never visible without its hash.
+            path.unlink(missing_ok=True)
+            self._sidecar(path).unlink(missing_ok=True)
+        except IsADirectoryError:
+            raise StoreError(f"{path} is a folder, not an artifact; not deleted.") from None
+        except OSError as exc:
+            raise StoreError(f"Could not delete {path}: {exc.strerror or exc}.") from exc

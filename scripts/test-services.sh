@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs what the integration tests (pytest -m services) need, if it is missing:
+#   - Prometheus and the Prometheus Pushgateway (Debian packages);
+#   - the S3-compatible test server `moto_server` (pip, the `test` extra of fedpipe).
+# It does not start anything: the fixtures in tests/conftest.py start the servers on free loopback
+# ports and stop them at the end of the session. Safe to run again; quiet when all is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    SUDO="sudo"
+  else
+    echo "test-services.sh: not root and no sudo; install prometheus and prometheus-pushgateway yourself." >&2
+    exit 1
+  fi
+fi
+
+have_bin() {
+  command -v "$1" >/dev/null 2>&1 || [ -x "/usr/bin/$1" ] || [ -x "/usr/sbin/$1" ]
+}
+
+missing=()
+have_bin prometheus || missing+=(prometheus)
+have_bin prometheus-pushgateway || missing+=(prometheus-pushgateway)
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "Installing ${missing[*]} (apt)..."
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq >/dev/null
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The Debian packages start system services where an init system runs; the tests start their
+  # own copies on free ports, so those are not needed (and not touched here).
+fi
+
+PY=${PY:-.venv/bin/python}
+if [ ! -x "$PY" ]; then
+  echo "test-services.sh: $PY not found; run scripts/setup.sh --test first." >&2
+  exit 1
+fi
+if [ ! -x "$(dirname "$PY")/moto_server" ]; then
+  echo "Installing moto[server] into $(dirname "$(dirname "$PY")") (pip)..."
+  "$PY" -m pip install -q --disable-pip-version-check "moto[server]>=5"
+fi
+
+for b in prometheus prometheus-pushgateway; do
+  have_bin "$b" || { echo "test-services.sh: $b is still missing after apt-get install." >&2; exit 1; }
+done
