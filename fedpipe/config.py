@@ -25,6 +25,8 @@ from fedpipe.schema import Section
 
 
 class RunSection(Section):
+    """Identity of the run, its seed, where its artifacts go and what it runs on."""
+
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     """Name of the run's folder in the store. None: derived from the method, dataset, split and a hash
     of the config, so the same config always lands in (and resumes) the same run."""
@@ -40,6 +42,8 @@ class RunSection(Section):
 
 
 class ModelConfig(Section):
+    """The network every client trains."""
+
     name: str = "auto"
     """Network: twonn, superfed_cnn, lenet5, mcmahan_cnn; auto picks superfed_cnn for images of 28 pixels
     or more, else twonn."""
@@ -53,6 +57,8 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
+    """Federated rounds and local optimisation, shared by every method."""
+
     rounds: int = Field(30, ge=1)
     """R: federated rounds (methods with extra phases, such as fine-tuning, add them after)."""
     client_fraction: float = Field(1.0, gt=0, le=1)
@@ -78,6 +84,8 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
+    """How often and how the models are evaluated."""
+
     every: int = Field(1, ge=0)
     """Evaluate personalized and global accuracy every this many rounds (and always at a phase's end);
     0 evaluates only at phase ends."""
@@ -88,6 +96,8 @@ class EvalConfig(Section):
 
 
 class TelemetryConfig(Section):
+    """Where per-round metrics go besides the run's JSONL file."""
+
     pushgateway: str | None = None
     """Prometheus Pushgateway URL for per-round metrics (None: env FEDPIPE_PUSHGATEWAY, else no push)."""
     progress: bool = True

@@ -6,8 +6,8 @@ calls a module through `torch.func.functional_call`, so one module object serves
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -173,6 +173,6 @@ def candidate_curve(result, path: str | Path, title: str | None = None) -> Path:
     ax.grid(alpha=0.3)
     lines = ax.get_legend_handles_labels()
     bars = twin.get_legend_handles_labels()
-    ax.legend(lines[0] + bars[0], lines[1] + bars[1], loc="lower center", fontsize=8)
+    ax.legend(lines[0] + bars[0], lines[1] + bars[1], loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     fig.suptitle(title or f"{label} curve", fontsize=11)
     return _save(fig, path)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fedpipe.steps import Run
 
 
-def write_report(run: "Run", algorithm: Algorithm, state: PhaseState, data: FederatedData, phases: list[Phase]) -> dict:
+def write_report(run: Run, algorithm: Algorithm, state: PhaseState, data: FederatedData, phases: list[Phase]) -> dict:
     cfg, store, paths = run.cfg, run.store, run.paths
     pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins)
     glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
@@ -41,7 +41,7 @@ def _scores(s: Scores | None) -> dict | None:
     return None if s is None else {"top1": s.accuracy, "top5": s.top5, "loss": s.loss, "ece": s.ece, "n": s.n}
 
 
-def build_summary(run: "Run", pers: PersonalizedResult, glob: Scores | None, rows: list[dict], data: FederatedData) -> dict:
+def build_summary(run: Run, pers: PersonalizedResult, glob: Scores | None, rows: list[dict], data: FederatedData) -> dict:
     cfg = run.cfg
     personalized = {
         "mean": pers.mean_accuracy,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
+from pydantic import ValidationError
 
 from fedpipe.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from fedpipe.algorithms.base import Phase, ServerState
@@ -27,7 +27,7 @@ from fedpipe.engine.data import prepare_data
 from fedpipe.engine.rounds import run_phase
 from fedpipe.engine.seeding import derive_seed
 from fedpipe.engine.state import Checkpoints, PhaseState
-from fedpipe.errors import ConfigError, StoreError
+from fedpipe.errors import ConfigError, CorruptArtifactError, StoreError
 from fedpipe.models import build_model
 from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
@@ -146,7 +146,11 @@ class Run:
     def load_partition(self) -> Partition:
         if not self.store.exists(self.paths.manifest):
             raise StoreError(f"{self.store.url(self.paths.manifest)} is missing: run `fedpipe partition` first.")
-        partition = Partition.from_manifest(json.loads(self.store.get_text(self.paths.manifest)))
+        url = self.store.url(self.paths.manifest)
+        try:
+            partition = Partition.from_manifest(json.loads(self.store.get_text(self.paths.manifest)))
+        except (ValueError, ValidationError) as e:  # json and pydantic errors: the file's content is wrong
+            raise CorruptArtifactError(f"{url} is not a valid partition manifest: {str(e).splitlines()[0]}. Start the run over with `fedpipe run --fresh`.") from None
         partition.check_matches(self.bundle)
         return partition
 
@@ -225,5 +229,5 @@ def _config_diff(old: dict, new: dict, prefix: str = "") -> str:
             if sub:
                 changes.append(sub)
         elif a != b:
-            changes.append(f"{prefix}{key}: {yaml.safe_dump(a, default_flow_style=True).strip()} -> {yaml.safe_dump(b, default_flow_style=True).strip()}")
+            changes.append(f"{prefix}{key}: {json.dumps(a)} -> {json.dumps(b)}")
     return "; ".join(changes)

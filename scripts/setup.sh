@@ -14,6 +14,9 @@ fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check"
+# Some machines point pip at local index folders that lack most projects; pip warns once per
+# project it looks up there. Those lines are noise, everything else pip says is kept.
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 # torchvision on PyPI is built against the CUDA torch of the same release; a CPU-only torch
 # wheel from a local find-links folder (some machines carry one) would break `import torchvision`.
@@ -21,11 +24,11 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check"
 if ! .venv/bin/python -c 'import torch, torchvision, sys; sys.exit(not (torch.__version__.startswith("2.13.0") and torchvision.__version__.startswith("0.28.0")))' 2>/dev/null; then
   echo "Installing torch 2.13.0 + torchvision 0.28.0 (a few GB, the first time only)..."
   empty=$(mktemp -d)
-  PIP_FIND_LINKS="$empty" $PIP install -q "torch==2.13.0" "torchvision==0.28.0"
+  PIP_FIND_LINKS="$empty" quiet $PIP install -q "torch==2.13.0" "torchvision==0.28.0"
   rmdir "$empty"
 fi
 
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"
-$PIP install -q -e ".${extra}"
+quiet $PIP install -q -e ".${extra}"
 echo "fedpipe is installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))."

@@ -2,8 +2,8 @@
 
 import torch
 
-from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedLMParams, SuPerFedMM, SuPerFedMMParams
 from fedpipe.algorithms.base import ServerState
+from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedLMParams, SuPerFedMM, SuPerFedMMParams
 from fedpipe.models import SuPerFedCNN
 
 

@@ -15,8 +15,9 @@ Parameters travel as plain ``dict[str, Tensor]`` keyed by the module's parameter
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn

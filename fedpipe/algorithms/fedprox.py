@@ -14,6 +14,8 @@ from fedpipe.algorithms.regularizers import proximal_layer_norms, proximal_squar
 
 
 class FedProxParams(MethodParams):
+    """FedProx: FedAvg plus a proximal term toward the round's global model."""
+
     name: Literal["fedprox"] = "fedprox"
     mu: float = Field(0.01, ge=0)
     """Weight of the proximal term; 0 makes FedProx FedAvg."""

@@ -27,10 +27,14 @@ class _FineTuneFields(Section):
 
 
 class FedAvgFTParams(FedAvgParams, _FineTuneFields):
+    """FedAvg, then local fine-tuning of the final global model on every client."""
+
     name: Literal["fedavg_ft"] = "fedavg_ft"  # type: ignore[assignment]
 
 
 class FedProxFTParams(FedProxParams, _FineTuneFields):
+    """FedProx, then local fine-tuning of the final global model on every client."""
+
     name: Literal["fedprox_ft"] = "fedprox_ft"  # type: ignore[assignment]
 
 

@@ -42,12 +42,16 @@ class _SuPerFedFields(MethodParams):
 
 
 class SuPerFedMMParams(_SuPerFedFields):
+    """SuPerFed with Model Mixing: one lam ~ U(0, 1) per mini-batch for the whole model."""
+
     name: Literal["superfed_mm"] = "superfed_mm"
     nu: float = Field(1.0, ge=0)
     """Weight of the orthogonality term cos^2(w_g, w_l) in Phase II (official default 1 for MM)."""
 
 
 class SuPerFedLMParams(_SuPerFedFields):
+    """SuPerFed with Layer Mixing: one lam ~ U(0, 1) per layer and mini-batch."""
+
     name: Literal["superfed_lm"] = "superfed_lm"
     start_fraction: float = Field(0.8, ge=0, le=1)
     """L: Phase II (personalization) starts after floor(L * train.rounds) rounds (official 0.8 for LM)."""

@@ -53,7 +53,7 @@ class PhaseState:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu", where: str = "state") -> "PhaseState":
+    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu", where: str = "state") -> PhaseState:
         try:
             d = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
             if d.get("format") != FORMAT:

@@ -65,15 +65,9 @@ class LocalStore(Store):
     """Objects as plain files under `root`, each with its sha256 in a hidden ``.sha256/`` sidecar."""
 
     def __init__(self, root: str | os.PathLike[str]):
+        # The folder is created by the first write, so a run that fails validation leaves nothing behind.
         self.root = Path(root).expanduser().resolve()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(
-                f"Cannot create the artifact folder {self.root}: {exc.strerror or exc}. "
-                "Check the path and that you may write there."
-            ) from exc
-        if not self.root.is_dir():
+        if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"The artifact store path {self.root} exists but is not a folder.")
 
     def __repr__(self) -> str:

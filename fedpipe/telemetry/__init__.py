@@ -43,7 +43,7 @@ class Telemetry:
         for sink in self.sinks:
             sink.close()
 
-    def __enter__(self) -> "Telemetry":
+    def __enter__(self) -> Telemetry:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,24 @@
+# The two commands of the README, plus their parts.
+#   make run    set up .venv and run the embedded default (SuPerFed-MM on mnist5k, 20 clients)
+#   make test   set up .venv with the test tools and the test services, then run the tests
+.PHONY: run test setup setup-test services clean
+
+PYTEST_ARGS ?=
+
+run: setup
+	.venv/bin/fedpipe run
+
+test: setup-test services
+	.venv/bin/python -m pytest $(PYTEST_ARGS)
+
+setup:
+	scripts/setup.sh
+
+setup-test:
+	scripts/setup.sh --test
+
+services:
+	scripts/test-services.sh
+
+clean:
+	rm -rf .venv runs .pytest_cache .hypothesis

@@ -1,0 +1,41 @@
+"""Small, fast runs on real data (mnist5k) for the engine's tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fedpipe.config import load_config
+from fedpipe.steps import Run
+
+# 6 clients of the real mnist5k digits, the 784-200-200-10 MLP, 3 rounds of 1 epoch: a few seconds.
+SMALL = [
+    "partition.scheme=pathological",
+    "partition.num_clients=6",
+    "model.name=twonn",
+    "train.rounds=3",
+    "train.local_epochs=1",
+    "train.batch_size=20",
+    "telemetry.progress=false",
+]
+
+
+def small_run(store: Path, *overrides: str, run_id: str = "test") -> Run:
+    cfg = load_config(None, [*SMALL, f"run.store={store}", f"run.id={run_id}", *overrides])
+    return Run(cfg)
+
+
+def train_all(run: Run):
+    """Partition and every training phase; returns the last phase's final state."""
+    run.partition()
+    state = None
+    for phase in run.phases():
+        state = run.train(phase.name)
+    return state
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs"

@@ -1,0 +1,80 @@
+"""Every method runs through all its steps on real data and writes a complete report."""
+
+import json
+
+import pytest
+from runs import small_run
+
+from fedpipe.algorithms import ALGORITHMS
+
+
+@pytest.mark.parametrize("method", list(ALGORITHMS))
+def test_method_runs_end_to_end_and_reports(tmp_path, method):
+    run = small_run(tmp_path, f"method.name={method}", "train.rounds=2", "partition.num_clients=4")
+    summary = run.run_all()
+    report = tmp_path / "test" / "report"
+    for name in ("summary.json", "clients.csv", "accuracy.png", "partition_heatmap.png", "report.md"):
+        assert (report / name).stat().st_size > 0, name
+    assert json.loads((report / "summary.json").read_text())["method"] == method
+    p = summary["personalized_accuracy"]
+    assert 0 <= p["mean"] <= 1 and p["clients"] == 4
+    rounds = [json.loads(line) for ph in run.phases() for line in (report / f"rounds-{ph.name}.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    uploaded = sum(r["bytes_uploaded"] for r in rounds)
+    if method == "local":
+        assert summary["global_model"] is None and uploaded == 0
+    else:
+        assert 0 <= summary["global_model"]["top1"] <= 1
+        # every round every client sends the whole MLP once (784*200 + 200 + 200*200 + 200 + 200*10 + 10 floats)
+        params = 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10
+        assert uploaded == 2 * 4 * params * 4
+    if method.startswith("superfed"):
+        assert (report / "lam_curve.png").stat().st_size > 0
+        assert "test_oracle_mean" in p and 0 <= p["chosen_lam"]["median"] <= 1
+    if method.endswith("_ft"):
+        assert [ph.name for ph in run.phases()] == ["federation", "finetune"] and len(rounds) == 3
+
+
+def test_client_sampling_fraction_and_failures_are_counted(tmp_path):
+    run = small_run(tmp_path, "method.name=fedavg", "partition.num_clients=10", "train.client_fraction=0.3")
+    run.run_all()
+    rounds = [json.loads(line) for line in (tmp_path / "test" / "report" / "rounds-federation.jsonl").read_text().splitlines()]
+    assert {r["clients"] for r in rounds} == {3} and {r["failed_clients"] for r in rounds} == {0}
+
+
+def test_a_failing_client_is_left_out_and_counted_and_all_failing_stops_the_phase(tmp_path, monkeypatch):
+    import torch
+
+    import fedpipe.engine.rounds as rounds_mod
+    from fedpipe.errors import TrainingError
+
+    real = rounds_mod.train_client
+
+    def flaky(algorithm, phase, slots, stages, data, **kw):
+        trained, stats = real(algorithm, phase, slots, stages, data, **kw)
+        if len(data) == len(broken_data):  # the client whose data we marked
+            raise RuntimeError("device lost")
+        return trained, stats
+
+    def poisoned(algorithm, phase, slots, stages, data, **kw):
+        trained, stats = real(algorithm, phase, slots, stages, data, **kw)
+        trained["global"] = {k: v * float("nan") for k, v in trained["global"].items()}
+        return trained, stats
+
+    run = small_run(tmp_path / "a", "method.name=fedavg", "partition.scheme=dirichlet", "partition.num_clients=4")
+    run.partition()
+    clients = run.load_partition().clients
+    broken_data = clients[0].train  # dirichlet sizes differ: client 0's training-set size marks it
+    assert [len(c.train) for c in clients].count(len(broken_data)) == 1
+    monkeypatch.setattr(rounds_mod, "train_client", flaky)
+    state = run.train("federation")
+    rows = [json.loads(line) for line in (tmp_path / "a" / "test" / "report" / "rounds-federation.jsonl").read_text().splitlines()]
+    assert [r["failed_clients"] for r in rows] == [1, 1, 1] and [r["clients"] for r in rows] == [3, 3, 3]
+    assert all(torch.isfinite(t).all() for t in state.server.global_params.values())
+
+    run = small_run(tmp_path / "b", "method.name=fedavg", "partition.num_clients=4")
+    run.partition()
+    monkeypatch.setattr(rounds_mod, "train_client", poisoned)
+    with pytest.raises(TrainingError, match="only 0 of 4 clients reported back.*non-finite"):
+        run.train("federation")
+    assert not (tmp_path / "b" / "test" / "phases" / "federation" / "final.pt").exists()
