@@ -1,4 +1,4 @@
-# The two commands of the README, plus their parts.
+# The two commands of the README, plus their parts (services: Prometheus, Pushgateway, S3 test server, helm, kubectl).
 #   make run    set up .venv and run the embedded default (SuPerFed-MM on mnist5k, 20 clients)
 #   make test   set up .venv with the test tools and the test services, then run the tests
 .PHONY: run test setup setup-test services clean
@@ -19,6 +19,7 @@ setup-test:
 
 services:
 	scripts/test-services.sh
+	scripts/get-helm.sh
 
 clean:
 	rm -rf .venv runs .pytest_cache .hypothesis

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import logging
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from fedpipe.errors import FedpipeError
+from fedpipe.telemetry.progress import log_to_stderr
 
 app = typer.Typer(
     name="fedpipe",
@@ -37,8 +36,7 @@ def _guarded(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        logging.basicConfig(level=logging.INFO, format="fedpipe: %(message)s", stream=sys.stderr)
-        logging.getLogger("fedpipe").setLevel(logging.INFO)
+        log_to_stderr()
         try:
             return fn(*args, **kwargs)
         except FedpipeError as e:
@@ -66,17 +64,42 @@ def _print_summary(summary: dict) -> None:
 @app.command()
 @_guarded
 def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
-        fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run's earlier artifacts and start over.")] = False):
-    """Run every step of the method: partition, each training phase, evaluation; print a summary.
+        fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run's earlier artifacts and start over.")] = False,
+        pipeline_root: Annotated[Optional[Path], typer.Option(help="Folder for the pipeline's task artifacts (default: <store>/_kfp).")] = None,
+        verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every line the pipeline tasks print.")] = False,
+        benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", help="Run the benchmark pipeline of these methods (repeatable) on one partition instead, and print its comparison table.")] = None):
+    """Run the method's Kubeflow pipeline on this machine (kfp's local runner): config, partition,
+    one task per training phase, evaluation; then print a summary and where the report is.
 
-    A run that was interrupted resumes from its last finished round; a finished step is reused.
+    The same compiled pipeline runs on a cluster (`fedpipe submit`). Running a config again reuses
+    its finished steps and resumes an interrupted phase from its last finished round.
     """
+    import json
+
+    from fedpipe.pipelines.local import run_locally, run_method_locally
     from fedpipe.steps import Run
 
-    r = Run(_load(config, set, run_id))
+    cfg = _load(config, set, run_id)
+    r = Run(cfg)
     if fresh:
         r.fresh()
-    _print_summary(r.run_all())
+    r.preflight()  # bad data, split or model: a clear message before anything is written
+    root = pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp"
+    if benchmark:
+        from fedpipe.pipelines.builder import DeployOptions, benchmark_pipeline
+
+        typer.echo(f"Running the benchmark pipeline of {', '.join(benchmark)} locally; task artifacts in {root}", err=True)
+        local_store = DeployOptions(store=cfg.run.store)
+        unpinned = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None})})  # one run per method
+        folder = run_locally(benchmark_pipeline(unpinned, benchmark, local_store), {}, root, verbose)
+        typer.echo((folder / "compare" / "table").read_text().rstrip())
+        return
+    typer.echo(f"Running pipeline {cfg.method.name} ({', '.join(p.name for p in r.phases())}) locally; task artifacts in {root}", err=True)
+    folder = run_method_locally(cfg, root, verbose)
+    summary = json.loads(r.store.get_text(r.paths.report("summary.json")))
+    summary["report"] = r.store.url(r.paths.report_dir)
+    _print_summary(summary)
+    typer.echo(f"  report as HTML         {folder / 'evaluate' / 'report'} (the pipeline's artifact)")
 
 
 @app.command()
@@ -134,6 +157,119 @@ def _explain(cfg) -> list[str]:
             doc = " ".join((field.description or "").split())
             lines.append(f"  {section_name}.{name} = {getattr(section, name)!r}\n      {doc}")
     return lines
+
+
+ImageOpt = Annotated[Optional[str], typer.Option(help="Container image of the tasks (default: env FEDPIPE_IMAGE, else the release image).")]
+StoreOpt = Annotated[Optional[str], typer.Option(help="Store of runs on the cluster (default: env FEDPIPE_STORE, else s3://mlpipeline/fedpipe).")]
+S3EndpointOpt = Annotated[Optional[str], typer.Option(help="MinIO/S3 endpoint the pods use (default: env FEDPIPE_S3_ENDPOINT, else Kubeflow's MinIO).")]
+S3SecretOpt = Annotated[Optional[str], typer.Option(help="Secret with the S3 credentials (default: env FEDPIPE_S3_SECRET, else mlpipeline-minio-artifact).")]
+PushgatewayOpt = Annotated[Optional[str], typer.Option(help="Pushgateway URL the pods push metrics to (default: env FEDPIPE_PUSHGATEWAY, else none).")]
+
+
+def _options(image, store, s3_endpoint, s3_secret, pushgateway):
+    from fedpipe.pipelines.builder import DeployOptions
+
+    return DeployOptions.from_env(image=image, store=store, s3_endpoint=s3_endpoint, s3_secret=s3_secret, pushgateway=pushgateway)
+
+
+def _pipeline(cfg, options, benchmark: Optional[list[str]]):
+    from fedpipe.pipelines.builder import benchmark_pipeline, method_pipeline
+
+    return benchmark_pipeline(cfg, benchmark, options) if benchmark else method_pipeline(cfg, options)
+
+
+BenchmarkOpt = Annotated[Optional[list[str]], typer.Option("--benchmark", help="Compile the benchmark pipeline of these methods instead (repeatable).")]
+
+
+@app.command("compile")
+@_guarded
+def compile_(config: ConfigOpt = None, set: SetOpt = None,
+             out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write the pipeline YAML.")] = None,
+             all_: Annotated[bool, typer.Option("--all", help="Regenerate the shipped pipelines/*.yaml and components/*.yaml (release defaults, environment ignored).")] = False,
+             benchmark: BenchmarkOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+    """Compile the method's pipeline (one task per phase) to Kubeflow Pipelines v2 YAML."""
+    from fedpipe.components.steps import compile_components
+    from fedpipe.pipelines.builder import SHIPPED, compile_pipeline, shipped_pipelines
+
+    if all_:
+        for name, pipeline in shipped_pipelines().items():
+            typer.echo(compile_pipeline(pipeline, SHIPPED / name))
+        import fedpipe.components
+
+        for path in compile_components(Path(fedpipe.components.__file__).parent):
+            typer.echo(path)
+        return
+    cfg = _load(config, set)
+    target = out or Path(f"{cfg.method.name if not benchmark else 'benchmark'}.yaml")
+    typer.echo(compile_pipeline(_pipeline(cfg, _options(image, store, s3_endpoint, s3_secret, pushgateway), benchmark), target))
+
+
+HostOpt = Annotated[Optional[str], typer.Option(help="Kubeflow Pipelines API, e.g. http://localhost:8080 (port-forwarded) or, in the cluster, http://ml-pipeline.kubeflow.svc.cluster.local:8888 (default: env KF_PIPELINES_ENDPOINT).")]
+NamespaceOpt = Annotated[Optional[str], typer.Option(help="Kubeflow profile namespace (multi-user Kubeflow).")]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help="Shortcut for --set method.name=METHOD.")]
+NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow (default: fedpipe-<method>).")]
+ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]
+
+
+def _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway):
+    from fedpipe.pipelines.builder import method_pipeline
+
+    cfg = _load(config, [*(set or []), *([f"method.name={method}"] if method else [])])
+    return cfg, method_pipeline(cfg, _options(image, store, s3_endpoint, s3_secret, pushgateway))
+
+
+@app.command()
+@_guarded
+def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
+             namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+    """Upload the method's pipeline (compiled from the config) to Kubeflow, as a new pipeline or a new version."""
+    from fedpipe.pipelines.builder import pipeline_name
+    from fedpipe.pipelines.client import connect
+    from fedpipe.pipelines.client import register as do_register
+
+    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway)
+    name = name or pipeline_name(cfg.method.name)
+    done = do_register(connect(host, namespace), pipeline, name, description=f"fedpipe {cfg.method.name}")
+    typer.echo(f"pipeline {name}: version {done.version} (pipeline id {done.pipeline_id}, version id {done.version_id})")
+
+
+@app.command()
+@_guarded
+def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None,
+           experiment: ExperimentOpt = "fedpipe", run_name: Annotated[Optional[str], typer.Option(help="Name of the run in the Kubeflow UI.")] = None,
+           namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+           s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+    """Start one run of the method's pipeline on a Kubeflow cluster (the config becomes its defaults)."""
+    from fedpipe.pipelines.client import connect
+    from fedpipe.pipelines.client import submit as do_submit
+
+    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway)
+    run_id = do_submit(connect(host, namespace), pipeline, experiment, run_name or cfg.run_id(), namespace)
+    typer.echo(f"submitted run {run_id} of {cfg.method.name} to experiment {experiment!r}")
+
+
+@app.command()
+@_guarded
+def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron syntax in UTC, e.g. '0 3 * * *' (daily at 03:00).")],
+             host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
+             experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None,
+             s3_endpoint: S3EndpointOpt = None, s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+    """Register the pipeline and create (or replace) a recurring run of it: scheduled retraining.
+    Each scheduled run trains anew in its own run folder; missed times are not caught up."""
+    from fedpipe.pipelines.builder import pipeline_name
+    from fedpipe.pipelines.client import connect, kfp_cron
+    from fedpipe.pipelines.client import register as do_register
+    from fedpipe.pipelines.client import schedule as do_schedule
+
+    kfp_cron(cron)  # a bad expression fails before anything is registered
+    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway)
+    name = name or pipeline_name(cfg.method.name)
+    client = connect(host, namespace)
+    registered = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")
+    job = do_schedule(client, registered, f"{name}-schedule", cron, experiment, namespace)
+    typer.echo(f"recurring run {job} of {name} (version {registered.version}) on '{cron}' in experiment {experiment!r}")
 
 
 @app.command()

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import base64
 import csv
+import html
 import io
 import json
 from typing import TYPE_CHECKING
@@ -138,3 +140,29 @@ def markdown(summary: dict, pers: PersonalizedResult) -> str:
         lines += [f"![{pers.candidate_label} curve]({pers.candidate_label}_curve.png)", ""]
     lines += ["![partition](partition_heatmap.png)", "", "Per-client results: [clients.csv](clients.csv).", ""]
     return "\n".join(lines)
+
+
+def render_html(title: str, lines: list[str], images: dict[str, bytes]) -> str:
+    """A self-contained HTML page (plots embedded as data URIs) for the Kubeflow UI's HTML viewer."""
+    body = "".join(
+        f'<figure><img alt="{html.escape(name)}" style="max-width:100%" src="data:image/png;base64,{base64.b64encode(png).decode()}"></figure>'
+        for name, png in images.items()
+    )
+    text = f"<pre>{html.escape(chr(10).join(lines))}</pre>" if lines else ""
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body><h2>{html.escape(title)}</h2>{text}{body}</body></html>"
+
+
+def comparison_table(summaries: list[dict]) -> str:
+    """One row per method, in the shape of the papers' tables: personalized accuracy and the global
+    model's top-1 / top-5 / ECE / loss, and the traffic."""
+    lines = [
+        "| method | personalized acc. (mean ± std over clients) | global top-1 | global top-5 | ECE | loss | MB up |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in sorted(summaries, key=lambda s: s["method"]):
+        p, g = s["personalized_accuracy"], s["global_model"]
+        glob = ["n/a"] * 4 if g is None else [_pct(g["top1"]), _pct(g["top5"]), f"{g['ece']:.3f}", f"{g['loss']:.3f}"]
+        lines.append(f"| {s['method']} | {_pct(p['mean'])} ± {_pct(p['std'])} | " + " | ".join(glob) + f" | {s['communication']['bytes_uploaded'] / 1e6:.1f} |")
+    first = summaries[0] if summaries else {}
+    head = f"{first.get('dataset', '?')}, {first.get('partition', '?')} split, {first.get('num_clients', '?')} clients, seed {first.get('seed', '?')}"
+    return head + "\n\n" + "\n".join(lines)

@@ -6,4 +6,5 @@ from pydantic import BaseModel, ConfigDict
 class Section(BaseModel):
     """A frozen config section; unknown keys are errors (a typo must not be ignored silently)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    # coerce_numbers_to_str: `--set run.id=123` (parsed as YAML, so a number) still names a string field
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)

@@ -125,6 +125,14 @@ class Run:
         for key in self.store.list(f"{self.paths.run_id}/"):
             self.store.delete(key)
 
+    def preflight(self) -> None:
+        """Check what can be checked before anything is written: the data, the split, the model,
+        and that the run folder (if any) belongs to this config."""
+        make_partition(self.bundle, self.cfg.partition, self.cfg.run.seed)
+        self.build_algorithm()
+        if self.store.exists(self.paths.run_record):
+            self.check_record(create=False)
+
     # --- step 1: partition ------------------------------------------------------------------------
     def partition(self) -> Partition:
         """Split the dataset over clients; write the manifest and the label heatmap."""

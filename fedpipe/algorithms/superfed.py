@@ -79,15 +79,15 @@ class SuPerFedMM(Algorithm):
 
     @classmethod
     def phases(cls, params: _SuPerFedFields, rounds: int) -> list[Phase]:
+        # Both phases always exist (a pipeline has one task per phase); with L = 0 or L = 1 one of
+        # them has no rounds and hands its input state on unchanged.
         split = math.floor(params.start_fraction * rounds)
-        phases = []
-        if split >= 1:
-            phases.append(Phase("federation", 1, split, sample_clients=True, communicates=True,
-                                description="Phase I: the global model alone (lam = 0)"))
-        if split < rounds:
-            phases.append(Phase("personalization", split + 1, rounds, sample_clients=True, communicates=True,
-                                description="Phase II: global and local models mixed in weight space"))
-        return phases
+        return [
+            Phase("federation", 1, split, sample_clients=True, communicates=True,
+                  description="Phase I: the global model alone (lam = 0)"),
+            Phase("personalization", split + 1, rounds, sample_clients=True, communicates=True,
+                  description="Phase II: global and local models mixed in weight space"),
+        ]
 
     # --- client side ----------------------------------------------------------------------------
     def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:

@@ -145,6 +145,7 @@ def run_phase(
                 samples_per_second=samples / seconds if seconds > 0 else 0.0, extra=extra,
             )
         )
+    state.phase = phase.name
     checkpoints.save_final(state)
     telemetry.phase_finished(PhaseEvent(labels, len(phase.rounds), phase.first_round, finished=True, seconds=time.perf_counter() - start))
     return state

@@ -13,6 +13,17 @@ from fedpipe.telemetry.events import PhaseEvent, RoundEvent
 log = logging.getLogger("fedpipe.progress")
 
 
+def log_to_stderr() -> None:
+    """fedpipe's messages as plain 'fedpipe: ...' lines on stderr (the CLI, and a pipeline task's log)."""
+    logger = logging.getLogger("fedpipe")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("fedpipe: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def _fmt(event: RoundEvent) -> dict[str, str]:
     post = {"loss": f"{event.train_loss:.3f}", "s/round": f"{event.seconds:.1f}"}
     if event.personalized_accuracy is not None:

@@ -1,0 +1,1 @@
+"""Kubeflow Pipelines components (installed as fedpipe.components)."""

@@ -1,0 +1,154 @@
+"""The pipeline tasks' work, in terms of artifact files: what each Kubeflow component calls.
+
+A task reads its input artifacts (files KFP hands it), brings them into the run's store when the
+store lacks them, runs the library step (`fedpipe.steps.Run`), and copies the step's outputs into
+its output artifact files. The store (a folder, or MinIO on a cluster) keeps the per-round
+checkpoints, so a task that is retried resumes where its last attempt stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from fedpipe.config import RunConfig, apply_override, load_config
+from fedpipe.errors import ConfigError, CorruptArtifactError
+from fedpipe.report import render_html, summary_lines
+from fedpipe.steps import Run
+from fedpipe.store.base import sha256_hex
+from fedpipe.telemetry.progress import log_to_stderr
+
+log = logging.getLogger(__name__)
+
+
+
+
+def _changed(value, default) -> bool:
+    """KFP hands parameters inside a dict back as strings or floats: compare their YAML meaning."""
+    if isinstance(value, str) and not isinstance(default, str):
+        value = yaml.safe_load(value)
+    return value != default
+
+
+def resolve_config(
+    base_yaml: str, fields: dict, defaults: dict, overrides: list[str], job_id: str, out_path: str, method: str | None = None
+) -> RunConfig:
+    """The run's config: the base YAML, then every pipeline field the user changed from its compiled
+    default, then `overrides` (KEY=VALUE; METHOD:KEY=VALUE applies only to that method's run).
+    `method` replaces the base's method section (the benchmark pipeline runs several methods).
+    Without an explicit run.id each pipeline job gets its own run (config-derived id + job id), so a
+    scheduled rerun trains anew while a retried task resumes from its checkpoints."""
+    log_to_stderr()
+    tree = yaml.safe_load(base_yaml) or {}
+    if not isinstance(tree, dict):
+        raise ConfigError("The pipeline's base_config parameter must be a YAML mapping of config sections.")
+    if method:
+        tree["method"] = {"name": method}
+    for key, value in fields.items():
+        if _changed(value, defaults.get(key)):
+            apply_override(tree, f"{key}={value}")
+    name = tree.get("method", {}).get("name")
+    for assignment in overrides:
+        key = assignment.split("=", 1)[0]
+        if ":" in key:  # METHOD:key=value
+            only, assignment = assignment.split(":", 1)
+            if only != name:
+                continue
+        apply_override(tree, assignment)
+    path = Path(out_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    cfg = load_config(path)
+    if cfg.run.id is None:
+        cfg = load_config(path, [f"run.id={cfg.run_id()}-{job_id}"])
+    path.write_text(cfg.to_yaml())
+    return cfg
+
+
+def _copy_out(run: Run, key: str, out_path: str) -> None:
+    path = Path(out_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(run.store.get(key))
+
+
+def _bring_in(run: Run, key: str, in_path: str) -> None:
+    """Put an input artifact into the store, or check the store already holds the same bytes."""
+    data = Path(in_path).read_bytes()
+    if not run.store.exists(key):
+        run.store.put(key, data)
+    elif sha256_hex(run.store.get(key)) != sha256_hex(data):
+        raise CorruptArtifactError(
+            f"{run.store.url(key)} differs from the task's input artifact {in_path}: the store holds another "
+            "run's data under this run id. Give the run another run.id."
+        )
+
+
+def _prepare(config_path: str, manifest_path: str | None = None) -> Run:
+    log_to_stderr()
+    run = Run(load_config(config_path))
+    if manifest_path is not None:
+        run.check_record(create=True)
+        _bring_in(run, run.paths.manifest, manifest_path)
+    return run
+
+
+def partition(config_path: str, manifest_path: str, heatmap_path: str) -> dict:
+    run = _prepare(config_path)
+    p = run.partition()
+    _copy_out(run, run.paths.manifest, manifest_path)
+    png = run.store.get(run.paths.report("partition_heatmap.png"))
+    Path(heatmap_path).write_text(render_html(f"Partition of {run.paths.run_id}", [], {"partition_heatmap.png": png}))
+    sizes = [c.size for c in p.clients]
+    return {"clients": len(sizes), "min_client_size": min(sizes), "max_client_size": max(sizes)}
+
+
+def train_phase(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str) -> dict:
+    """Run one phase; returns the metrics of its last round (empty when the phase has no rounds)."""
+    run = _prepare(config_path, manifest_path)
+    names = [p.name for p in run.phases()]
+    if phase not in names:
+        raise ConfigError(f"method {run.cfg.method.name!r} has no phase {phase!r}; its phases are: {', '.join(names)}.")
+    index = names.index(phase)
+    if index > 0:
+        if previous_path is None:
+            raise ConfigError(f"phase {phase!r} needs the state of phase {names[index - 1]!r} as its input.")
+        _bring_in(run, f"{run.paths.run_id}/phases/{names[index - 1]}/final.pt", previous_path)
+    run.train(phase)
+    _copy_out(run, f"{run.paths.run_id}/phases/{phase}/final.pt", state_path)
+    rows = [json.loads(line) for line in _text_or_empty(run, run.paths.rounds(phase)).splitlines() if line.strip()]
+    return rows[-1] if rows else {}
+
+
+def _text_or_empty(run: Run, key: str) -> str:
+    return run.store.get_text(key) if run.store.exists(key) else ""
+
+
+def evaluate(config_path: str, manifest_path: str, state_path: str, html_path: str, markdown_path: str) -> dict:
+    run = _prepare(config_path, manifest_path)
+    last = run.phases()[-1].name
+    _bring_in(run, f"{run.paths.run_id}/phases/{last}/final.pt", state_path)
+    summary = run.evaluate()
+    images = {
+        name: run.store.get(run.paths.report(name))
+        for name in ("accuracy.png", "lam_curve.png", "partition_heatmap.png")
+        if run.store.exists(run.paths.report(name))
+    }
+    Path(html_path).write_text(render_html(summary["title"], summary_lines(summary), images))
+    Path(markdown_path).write_text(run.store.get_text(run.paths.report("report.md")))
+    return summary
+
+
+def compare(config_path: str, run_ids: list[str], markdown_path: str, json_path: str) -> str:
+    """The benchmark's comparison table (the papers' tables' shape) from the runs' summaries in the store.
+    (Run ids travel between the tasks, not the summaries: kfp's local runner breaks a list of JSON strings.)"""
+    from fedpipe.report import comparison_table
+
+    run = _prepare(config_path)
+    rows = [json.loads(run.store.get_text(f"{run_id}/report/summary.json")) for run_id in run_ids]
+    table = comparison_table(rows)
+    Path(markdown_path).write_text(table + "\n")
+    Path(json_path).write_text(json.dumps(rows, indent=2))
+    return table

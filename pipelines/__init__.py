@@ -1,0 +1,1 @@
+"""Pipeline builders and compiled pipelines (installed as fedpipe.pipelines)."""

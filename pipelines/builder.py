@@ -1,0 +1,241 @@
+"""Pipelines generated from a method's phase list: adding a method adds no pipeline code.
+
+    config --> partition --> phase 1 --> phase 2 --> ... --> evaluate
+
+The pipeline's parameters are the run config's fields (`train_rounds`, `partition_num_clients`,
+`method_nu`, ...; defaults = the compiled config), a `base_config` YAML, `overrides` (KEY=VALUE
+strings for anything else), and the training tasks' resources (accelerator type and count, CPU and
+memory, node selector, tolerations). A field changed in the Kubeflow UI wins over `base_config`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kfp import compiler, dsl, kubernetes
+
+from fedpipe.algorithms import ALGORITHMS
+from fedpipe.components.steps import DEFAULT_IMAGE, Components, build
+from fedpipe.config import RunConfig, load_config
+
+# Fields that are fixed by the pipeline's shape: the method decides the phases (one task each),
+# and the scheme decides which partition fields exist. Change them with `overrides` or another pipeline.
+FIXED_FIELDS = {"method.name", "partition.scheme", "telemetry.pipeline"}
+
+TRAINING_RESOURCES = {
+    "accelerator_type": (str, "nvidia.com/gpu"),
+    "accelerator_count": (int, 0),
+    "cpu_request": (str, "1"),
+    "cpu_limit": (str, "4"),
+    "memory_request": (str, "2Gi"),
+    "memory_limit": (str, "16Gi"),
+    "node_selector": (dict, {}),
+    "tolerations": (list, []),
+}
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """Where a compiled pipeline runs: its image, its store, and how its pods reach MinIO and the Pushgateway.
+
+    Credentials are never part of a pipeline: pods read them from the Secret `s3_secret` (keys
+    `s3_secret_keys`) as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
+    """
+
+    image: str = DEFAULT_IMAGE
+    store: str = "s3://mlpipeline/fedpipe"  # the bucket of Kubeflow's own MinIO
+    s3_endpoint: str = "http://minio-service.kubeflow:9000"
+    s3_secret: str = "mlpipeline-minio-artifact"  # Kubeflow's own MinIO credentials
+    s3_secret_keys: tuple[str, str] = ("accesskey", "secretkey")
+    pushgateway: str = ""  # empty: no metrics are pushed
+    retries: int = 2  # a failed training task is retried and resumes from its last checkpoint
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, **overrides) -> DeployOptions:
+        """Defaults, then FEDPIPE_IMAGE / FEDPIPE_STORE / FEDPIPE_S3_ENDPOINT / FEDPIPE_S3_SECRET /
+        FEDPIPE_S3_SECRET_KEYS ("accesskey,secretkey") / FEDPIPE_PUSHGATEWAY from the environment (how the
+        Helm chart's Job configures it), then `overrides`."""
+        keys = os.environ.get("FEDPIPE_S3_SECRET_KEYS")
+        env = {
+            "image": os.environ.get("FEDPIPE_IMAGE"),
+            "store": os.environ.get("FEDPIPE_STORE"),
+            "s3_endpoint": os.environ.get("FEDPIPE_S3_ENDPOINT"),
+            "s3_secret": os.environ.get("FEDPIPE_S3_SECRET"),
+            "s3_secret_keys": tuple(k.strip() for k in keys.split(",")) if keys else None,
+            "pushgateway": os.environ.get("FEDPIPE_PUSHGATEWAY"),
+        }
+        chosen = {k: v for k, v in {**env, **overrides}.items() if v is not None}
+        return replace(cls(), **chosen)
+
+
+def pipeline_name(method: str | None) -> str:
+    return f"fedpipe-{method.replace('_', '-')}" if method else "fedpipe-benchmark"
+
+
+def flat_fields(cfg: RunConfig, sections: tuple[str, ...] | None = None) -> dict[str, object]:
+    """The config's scalar fields as {"train.rounds": 30, ...} (lists and unset values are left to `overrides`)."""
+    out = {}
+    for section, values in cfg.model_dump(mode="json").items():
+        if sections is not None and section not in sections:
+            continue
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if isinstance(value, (bool, int, float, str)) and dotted not in FIXED_FIELDS:
+                out[dotted] = value
+    return out
+
+
+def _one_line(cfg: RunConfig) -> str:
+    # kfp writes parameter defaults into the compiled file's header comment verbatim: a multi-line
+    # default would break the YAML, so the base config is compact JSON (which is YAML too)
+    return json.dumps(cfg.model_dump(mode="json"), separators=(",", ":"))
+
+
+def _param(dotted: str) -> str:
+    return dotted.replace(".", "_")
+
+
+def _signature(fields: dict[str, object], base_yaml: str, options: DeployOptions) -> inspect.Signature:
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("base_config", kw, default=base_yaml, annotation=str)]
+    params += [inspect.Parameter(_param(k), kw, default=v, annotation=type(v)) for k, v in fields.items()]
+    params.append(inspect.Parameter("overrides", kw, default=[], annotation=list))
+    params += [inspect.Parameter(name, kw, default=default, annotation=kind) for name, (kind, default) in TRAINING_RESOURCES.items()]
+    params.append(inspect.Parameter("s3_secret", kw, default=options.s3_secret, annotation=str))
+    return inspect.Signature(params)
+
+
+def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(list(signature.parameters), args))
+    bound.update(kwargs)
+    return bound
+
+
+def _storage(task, options: DeployOptions, secret) -> None:
+    """Every task reads and writes the run's store: the endpoint as env, the credentials from the Secret."""
+    task.set_env_variable("FEDPIPE_S3_ENDPOINT", options.s3_endpoint)
+    if options.pushgateway:
+        task.set_env_variable("FEDPIPE_PUSHGATEWAY", options.pushgateway)
+    for name, value in options.extra_env.items():
+        task.set_env_variable(name, value)
+    access, secret_key = options.s3_secret_keys
+    kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={access: "AWS_ACCESS_KEY_ID", secret_key: "AWS_SECRET_ACCESS_KEY"})
+
+
+def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None,
+                   secret) -> object:
+    """resolve config -> phase tasks -> evaluate for one method; returns the evaluate task."""
+    resolve = c.resolve_config(
+        base_config=v["base_config"], fields={k: v[_param(k)] for k in fields}, defaults=fields,
+        overrides=v["overrides"], method=method or "", job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    ).set_display_name(f"config {method}" if method else "config")
+    _storage(resolve, options, secret)
+    config = resolve.outputs["config"]
+    if manifest is None:
+        part = c.partition(config=config).set_display_name("partition")
+        _storage(part, options, secret)
+        manifest = part.outputs["manifest"]
+    phases = ALGORITHMS[cfg.method.name].phases(cfg.method, cfg.train.rounds)
+    previous = None
+    for phase in phases:
+        inputs = {"previous": previous} if previous is not None else {}
+        task = c.train_phase(config=config, phase=phase.name, manifest=manifest, **inputs)
+        task.set_display_name(f"{method + ' ' if method else ''}{phase.name}")
+        task.set_accelerator_type(v["accelerator_type"]).set_accelerator_limit(v["accelerator_count"])
+        task.set_cpu_request(v["cpu_request"]).set_cpu_limit(v["cpu_limit"])
+        task.set_memory_request(v["memory_request"]).set_memory_limit(v["memory_limit"])
+        kubernetes.add_node_selector_json(task, v["node_selector"])
+        kubernetes.add_toleration_json(task, v["tolerations"])
+        task.set_retry(options.retries)
+        _storage(task, options, secret)
+        previous = task.outputs["state"]
+    evaluate = c.evaluate(config=config, manifest=manifest, state=previous).set_display_name(f"evaluate {method}" if method else "evaluate")
+    _storage(evaluate, options, secret)
+    return evaluate
+
+
+def _deployed(cfg: RunConfig, options: DeployOptions, name: str) -> RunConfig:
+    """The config as the cluster runs it: artifacts in the deployment's store, metrics labelled by pipeline."""
+    store = cfg.run.store if cfg.run.store.startswith("s3://") else options.store
+    return cfg.model_copy(update={
+        "run": cfg.run.model_copy(update={"store": store}),
+        "telemetry": cfg.telemetry.model_copy(update={"pipeline": name}),
+    })
+
+
+def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) -> Callable:
+    """The pipeline of `cfg.method`: one task per phase, generated from the method's phase list."""
+    name = pipeline_name(cfg.method.name)
+    cfg = _deployed(cfg, options, name)
+    fields = flat_fields(cfg)
+    c = build(options.image)
+    signature = _signature(fields, _one_line(cfg), options)
+
+    def body(*args, **kwargs):
+        v = _bind(signature, args, kwargs)
+        secret = v["s3_secret"]
+        _method_branch(c, v, options, cfg, fields, None, None, secret)
+
+    return _as_pipeline(body, signature, name, f"{cfg.method.name}: {ALGORITHMS[cfg.method.name].paper}. "
+                        "Partition, one task per training phase, evaluation.")
+
+
+def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOptions = DeployOptions()) -> Callable:
+    """Several methods on the same partition and budget, ending with a comparison table."""
+    name = pipeline_name(None)
+    cfg = _deployed(cfg, options, name)
+    shared = ("run", "data", "partition", "model", "train", "eval", "telemetry")
+    fields = flat_fields(cfg, shared)
+    c = build(options.image)
+    signature = _signature(fields, _one_line(cfg), options)
+    per_method = {m: load_config(None, [f"method.name={m}"]).method for m in methods}
+
+    def body(*args, **kwargs):
+        v = _bind(signature, args, kwargs)
+        secret = v["s3_secret"]
+        resolve = c.resolve_config(
+            base_config=v["base_config"], fields={k: v[_param(k)] for k in fields}, defaults=fields,
+            overrides=v["overrides"], method="", job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        ).set_display_name("config (shared)")
+        _storage(resolve, options, secret)
+        part = c.partition(config=resolve.outputs["config"]).set_display_name("partition (shared)")
+        _storage(part, options, secret)
+        evaluations = [
+            _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m, secret)
+            for m in methods
+        ]
+        table = c.compare(config=resolve.outputs["config"], run_ids=[e.outputs["Output"] for e in evaluations])
+        table.set_display_name("comparison table")
+        _storage(table, options, secret)
+
+    return _as_pipeline(body, signature, name, f"Benchmark of {', '.join(methods)} on one partition, with a comparison table.")
+
+
+def _as_pipeline(body: Callable, signature: inspect.Signature, name: str, description: str) -> Callable:
+    body.__signature__ = signature
+    body.__name__ = name.replace("-", "_")
+    body.__doc__ = description
+    return dsl.pipeline(name=name, description=description)(body)
+
+
+def compile_pipeline(pipeline: Callable, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(pipeline, str(path))
+    return path
+
+
+SHIPPED = Path(__file__).parent  # the compiled pipelines that ship with fedpipe (pipelines/*.yaml)
+
+
+def shipped_pipelines(options: DeployOptions = DeployOptions()) -> dict[str, Callable]:
+    """What `fedpipe compile --all` writes: each method's pipeline with its default config, and the benchmark."""
+    out = {f"{m}.yaml": method_pipeline(load_config(None, [f"method.name={m}"]), options) for m in ALGORITHMS}
+    out["benchmark.yaml"] = benchmark_pipeline(load_config(None), list(ALGORITHMS), options)
+    return out

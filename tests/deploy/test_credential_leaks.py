@@ -1,0 +1,71 @@
+"""Credentials appear in rendered output only inside the Secret the user asked the chart to create."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import yaml
+from deploytools import CHART, MANIFESTS, NAMESPACE, RELEASE, only, run_tool
+
+# Unmistakable dummies, passed only with --set.
+ACCESS_KEY = "LEAKCHECK-ACCESS-7f3a9c"
+SECRET_KEY = "LEAKCHECK-SECRET-e81d2b-do-not-print"
+
+# What credential material looks like in a render that was given none: Kubeflow's default MinIO
+# credentials, AWS key ids, and private keys.
+CREDENTIAL_PATTERNS = [r"minio123", r"\bAKIA[0-9A-Z]{16}\b", r"-----BEGIN [A-Z ]*PRIVATE KEY-----"]
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def assert_no_credentials(docs: list[dict], where: str) -> None:
+    assert "Secret" not in {d["kind"] for d in docs}, f"{where} renders a Secret nobody asked for"
+    text = yaml.safe_dump_all(docs)
+    for pattern in CREDENTIAL_PATTERNS:
+        assert not re.search(pattern, text), f"{where} contains {pattern}"
+    for doc in docs:
+        for container in _all_containers(doc):
+            for env in container.get("env", []):
+                if env["name"].startswith("AWS_"):
+                    assert "value" not in env, f"{where}: {env['name']} has a literal value"
+
+
+def _all_containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("initContainers", []) + spec.get("containers", [])
+
+
+def test_created_secret_is_the_only_place_credentials_appear(helm: str):
+    argv = [
+        helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+        "--set", "storage.createSecret=true",
+        "--set", f"storage.accessKey={ACCESS_KEY}",
+        "--set", f"storage.secretKey={SECRET_KEY}",
+        "--set", "schedule.cron=0 0 3 * * *",
+    ]  # fmt: skip
+    out = run_tool(argv).stdout  # manifests, hooks and NOTES, as `helm install` would print them
+    for plain in (ACCESS_KEY, SECRET_KEY):
+        assert plain not in out, "a credential appears in plain text"
+        assert out.count(b64(plain)) == 1, "a credential appears outside the Secret's data"
+    # The hooks (the registration Job) and the manifests; "MANIFEST:" separates them.
+    rendered = out[out.index("HOOKS:") + len("HOOKS:") : out.index("NOTES:")].replace("\nMANIFEST:\n", "\n---\n")
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    assert {"Job", "ConfigMap", "Deployment"} <= {d["kind"] for d in docs}
+    secret = only(docs, "Secret")
+    assert secret["data"] == {"accesskey": b64(ACCESS_KEY), "secretkey": b64(SECRET_KEY)}
+    assert "stringData" not in secret
+    others = yaml.safe_dump_all([d for d in docs if d is not secret])
+    assert b64(SECRET_KEY) not in others and b64(ACCESS_KEY) not in others
+
+
+def test_default_chart_render_has_no_credentials(render_chart):
+    assert_no_credentials(render_chart(), "the default chart render")
+    assert_no_credentials(render_chart("--set", "schedule.cron=0 0 3 * * *", "--set", "networkPolicy.enabled=true"), "the chart")
+
+
+def test_kustomize_output_has_no_credentials(build_kustomization, kustomize_overlay):
+    assert_no_credentials(build_kustomization(MANIFESTS), "kubectl kustomize manifests/")
+    assert_no_credentials(build_kustomization(kustomize_overlay), "the overlay")

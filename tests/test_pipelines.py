@@ -1,0 +1,113 @@
+"""The Kubeflow pipelines: generated from the phase lists, shipped compiled and up to date, free of
+credentials, and run end to end by kfp's local runner (every task in its own process)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from runs import SMALL
+
+import fedpipe.components
+from fedpipe.algorithms import ALGORITHMS
+from fedpipe.components.steps import compile_components
+from fedpipe.config import load_config
+from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, method_pipeline, shipped_pipelines
+
+COMPONENTS = os.path.dirname(fedpipe.components.__file__)
+
+
+def root_tasks(spec: dict) -> dict:
+    return spec["root"]["dag"]["tasks"]
+
+
+def test_shipped_pipelines_and_components_are_up_to_date(tmp_path):
+    for name, pipeline in shipped_pipelines().items():
+        compile_pipeline(pipeline, tmp_path / name)
+        shipped = SHIPPED / name
+        assert shipped.exists() and shipped.read_text() == (tmp_path / name).read_text(), (
+            f"pipelines/{name} is out of date with the code: run `fedpipe compile --all` and commit the result"
+        )
+    for path in compile_components(tmp_path / "components"):
+        shipped = os.path.join(COMPONENTS, path.name)
+        assert open(shipped).read() == path.read_text(), f"components/{path.name} is out of date: run `fedpipe compile --all`"
+
+
+@pytest.mark.parametrize("method", list(ALGORITHMS))
+def test_one_task_per_phase_from_the_phase_list(method):
+    spec = next(yaml.safe_load_all((SHIPPED / f"{method}.yaml").read_text()))
+    tasks = root_tasks(spec)
+    phases = [p.name for p in ALGORITHMS[method].phases(load_config(None, [f"method.name={method}"]).method, 30)]
+    training = [t for t in tasks.values() if t["componentRef"]["name"].startswith("comp-train-phase")]
+    assert sorted(t["taskInfo"]["name"] for t in training) == sorted(phases)
+    assert {t["taskInfo"]["name"] for t in tasks.values()} >= {"config", "partition", "evaluate"}
+    # each phase after the first reads the state of the one before it
+    for task in training:
+        phase = task["inputs"]["parameters"]["phase"]["runtimeValue"]["constant"]
+        previous = task["inputs"].get("artifacts", {}).get("previous")
+        assert (previous is None) == (phase == phases[0])
+    # the pipeline's parameters are the config's fields plus the training resources
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    for name in ("train_rounds", "partition_num_clients", "run_seed", "accelerator_type", "accelerator_count", "node_selector", "tolerations"):
+        assert name in params, name
+
+
+def test_training_tasks_ask_for_the_gpu_and_pods_get_credentials_only_from_a_secret():
+    spec_text = (SHIPPED / "superfed_mm.yaml").read_text()
+    pipeline_spec, platform = list(yaml.safe_load_all(spec_text))
+    executors = pipeline_spec["deploymentSpec"]["executors"]
+    train = [e for name, e in executors.items() if "train-phase" in name]
+    assert train and all(e["container"]["resources"]["accelerator"]["resourceCount"].startswith("{{$.inputs.parameters") for e in train)
+    for name, executor in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
+        envs = {env["envVar"] for s in executor["secretAsEnv"] for env in s["keyToEnv"]}
+        assert envs == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}, name
+
+
+def test_no_credential_in_any_compiled_pipeline(tmp_path, monkeypatch):
+    secret, access = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY", "AKIAIOSFODNN7EXAMPLE"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", access)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("FEDPIPE_S3_ENDPOINT", "http://minio.example:9000")
+    texts = [p.read_text() for p in SHIPPED.glob("*.yaml")]
+    for method in ("superfed_lm", "fedprox_ft"):
+        cfg = load_config(None, [f"method.name={method}", "run.store=s3://bucket/prefix"])
+        texts.append(compile_pipeline(method_pipeline(cfg, DeployOptions.from_env()), tmp_path / f"{method}.yaml").read_text())
+    for text in texts:
+        assert secret not in text and access not in text
+        assert "AWS_SECRET_ACCESS_KEY:" not in text  # only ever as the name of an env var filled from the Secret
+
+
+@pytest.mark.slow
+def test_the_pipeline_runs_locally_with_one_task_per_phase(tmp_path):
+    """README command 1's path: `fedpipe run` executes the shipped compiled pipeline with kfp's local runner."""
+    args = [f"--set={s}" for s in [*SMALL, f"run.store={tmp_path}", "run.id=pipe", "method.name=superfed_mm",
+                                   "train.rounds=2", "partition.num_clients=4"]]
+    done = subprocess.run([sys.executable, "-m", "fedpipe.cli", "run", *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for task in ("resolve-config", "partition", "train-phase", "train-phase-2", "evaluate"):
+        assert f"Task '{task}' finished with status SUCCESS" in done.stderr, task
+    assert "personalized accuracy" in done.stdout and "chosen lam" in done.stdout
+    summary = json.loads((tmp_path / "pipe" / "report" / "summary.json").read_text())
+    assert summary["method"] == "superfed_mm" and summary["num_clients"] == 4
+    runs = list((tmp_path / "_kfp").iterdir())
+    assert len(runs) == 1
+    html = (runs[0] / "evaluate" / "report").read_text()
+    assert html.startswith("<!doctype html>") and html.count("data:image/png;base64,") == 3
+    # the phases' states travelled between tasks as artifacts, and equal what the store holds
+    for task, phase in (("train-phase", "federation"), ("train-phase-2", "personalization")):
+        assert (runs[0] / task / "state").read_bytes() == (tmp_path / "pipe" / "phases" / phase / "final.pt").read_bytes()
+
+
+@pytest.mark.slow
+def test_the_benchmark_pipeline_compares_methods_on_one_partition(tmp_path):
+    args = [f"--set={s}" for s in [*SMALL, f"run.store={tmp_path}", "train.rounds=1", "partition.num_clients=3"]]
+    done = subprocess.run([sys.executable, "-m", "fedpipe.cli", "run", "--benchmark", "fedavg", "--benchmark", "local", *args],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = done.stdout
+    assert "| fedavg |" in table and "| local |" in table and "personalized acc." in table
+    manifests = [json.loads(p.read_text()) for p in tmp_path.glob("*/partition/manifest.json")]
+    assert len(manifests) == 3  # the shared partition, brought into each method's run unchanged
+    assert all(m == manifests[0] for m in manifests)
