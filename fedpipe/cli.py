@@ -159,7 +159,7 @@ def _explain(cfg) -> list[str]:
     return lines
 
 
-ImageOpt = Annotated[Optional[str], typer.Option(help="Container image of the tasks (default: env FEDPIPE_IMAGE, else the release image).")]
+ImageOpt = Annotated[Optional[str], typer.Option(help="Container image of the tasks; training tasks use the CUDA image (default: env FEDPIPE_IMAGE / FEDPIPE_TRAINING_IMAGE, else the release images).")]
 StoreOpt = Annotated[Optional[str], typer.Option(help="Store of runs on the cluster (default: env FEDPIPE_STORE, else s3://mlpipeline/fedpipe).")]
 S3EndpointOpt = Annotated[Optional[str], typer.Option(help="MinIO/S3 endpoint the pods use (default: env FEDPIPE_S3_ENDPOINT, else Kubeflow's MinIO).")]
 S3SecretOpt = Annotated[Optional[str], typer.Option(help="Secret with the S3 credentials (default: env FEDPIPE_S3_SECRET, else mlpipeline-minio-artifact).")]

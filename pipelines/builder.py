@@ -20,7 +20,7 @@ from pathlib import Path
 from kfp import compiler, dsl, kubernetes
 
 from fedpipe.algorithms import ALGORITHMS
-from fedpipe.components.steps import DEFAULT_IMAGE, Components, build
+from fedpipe.components.steps import DEFAULT_IMAGE, DEFAULT_TRAINING_IMAGE, Components, build
 from fedpipe.config import RunConfig, load_config
 
 # Fields that are fixed by the pipeline's shape: the method decides the phases (one task each),
@@ -48,6 +48,7 @@ class DeployOptions:
     """
 
     image: str = DEFAULT_IMAGE
+    training_image: str = DEFAULT_TRAINING_IMAGE  # the CUDA image: a GPU is then a runtime parameter
     store: str = "s3://mlpipeline/fedpipe"  # the bucket of Kubeflow's own MinIO
     s3_endpoint: str = "http://minio-service.kubeflow:9000"
     s3_secret: str = "mlpipeline-minio-artifact"  # Kubeflow's own MinIO credentials
@@ -58,12 +59,13 @@ class DeployOptions:
 
     @classmethod
     def from_env(cls, **overrides) -> DeployOptions:
-        """Defaults, then FEDPIPE_IMAGE / FEDPIPE_STORE / FEDPIPE_S3_ENDPOINT / FEDPIPE_S3_SECRET /
+        """Defaults, then FEDPIPE_IMAGE / FEDPIPE_TRAINING_IMAGE / FEDPIPE_STORE / FEDPIPE_S3_ENDPOINT / FEDPIPE_S3_SECRET /
         FEDPIPE_S3_SECRET_KEYS ("accesskey,secretkey") / FEDPIPE_PUSHGATEWAY from the environment (how the
         Helm chart's Job configures it), then `overrides`."""
         keys = os.environ.get("FEDPIPE_S3_SECRET_KEYS")
         env = {
             "image": os.environ.get("FEDPIPE_IMAGE"),
+            "training_image": os.environ.get("FEDPIPE_TRAINING_IMAGE"),
             "store": os.environ.get("FEDPIPE_STORE"),
             "s3_endpoint": os.environ.get("FEDPIPE_S3_ENDPOINT"),
             "s3_secret": os.environ.get("FEDPIPE_S3_SECRET"),
@@ -174,7 +176,7 @@ def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) ->
     name = pipeline_name(cfg.method.name)
     cfg = _deployed(cfg, options, name)
     fields = flat_fields(cfg)
-    c = build(options.image)
+    c = build(options.image, options.training_image)
     signature = _signature(fields, _one_line(cfg), options)
 
     def body(*args, **kwargs):
@@ -192,7 +194,7 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
     cfg = _deployed(cfg, options, name)
     shared = ("run", "data", "partition", "model", "train", "eval", "telemetry")
     fields = flat_fields(cfg, shared)
-    c = build(options.image)
+    c = build(options.image, options.training_image)
     signature = _signature(fields, _one_line(cfg), options)
     per_method = {m: load_config(None, [f"method.name={m}"]).method for m in methods}
 

@@ -47,9 +47,15 @@ app.kubernetes.io/part-of: fedpipe
 {{- if $image.digest }}
 {{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
-{{- $tag := default .Chart.AppVersion $image.tag }}
-{{- printf "%s:%s%s" $image.repository $tag (ternary "-cuda" "" (eq $image.flavor "cuda")) }}
+{{- include "fedpipe.taskImage" (dict "ctx" . "flavor" $image.flavor) }}
 {{- end }}
+{{- end }}
+
+{{/* Image of the pipeline's tasks by tag and flavor: (dict "ctx" $ "flavor" "cpu"|"cuda"). */}}
+{{- define "fedpipe.taskImage" -}}
+{{- $image := .ctx.Values.image }}
+{{- $tag := default .ctx.Chart.AppVersion $image.tag }}
+{{- printf "%s:%s%s" $image.repository $tag (ternary "-cuda" "" (eq .flavor "cuda")) }}
 {{- end }}
 
 {{/* ServiceAccount the registration Job runs as. */}}
@@ -107,7 +113,9 @@ app.kubernetes.io/part-of: fedpipe
     # What the compiled pipeline's tasks get: their image, the storage endpoint, the name and keys of
     # the credentials Secret (never the credentials), and the Pushgateway.
     - name: FEDPIPE_IMAGE
-      value: {{ include "fedpipe.image" $ctx | quote }}
+      value: {{ include "fedpipe.taskImage" (dict "ctx" $ctx "flavor" $ctx.Values.image.flavor) | quote }}
+    - name: FEDPIPE_TRAINING_IMAGE
+      value: {{ include "fedpipe.taskImage" (dict "ctx" $ctx "flavor" $ctx.Values.image.trainingFlavor) | quote }}
     - name: FEDPIPE_S3_ENDPOINT
       value: {{ $ctx.Values.storage.endpoint | quote }}
     - name: FEDPIPE_S3_SECRET
