@@ -115,7 +115,14 @@ class _PartitionBase(Section):
         return {k: getattr(self, k) for k in type(self).model_fields if k not in shared}
 
 
-class IidPartition(_PartitionBase):
+class _FixedClientsBase(_PartitionBase):
+    """Schemes that split the pool over a given number of clients."""
+
+    num_clients: int = Field(100, ge=1)
+    """Number of clients K, at least 1."""
+
+
+class IidPartition(_FixedClientsBase):
     """Every client gets a uniformly random share of the pool (sizes differ by at most one)."""
 
     scheme: Literal["iid"] = "iid"
@@ -125,41 +132,32 @@ class IidPartition(_PartitionBase):
     """Number of clients K, at least 1 and at most the pool size."""
 
 
-class PathologicalPartition(_PartitionBase):
+class PathologicalPartition(_FixedClientsBase):
     """McMahan et al.'s shards as in the SuPerFed code: sort by label, cut into S*K shards."""
 
     scheme: Literal["pathological"] = "pathological"
     """The partition scheme: `pathological`."""
-
-    num_clients: int = Field(100, ge=1)
-    """Number of clients K, at least 1."""
 
     shards_per_client: int = Field(2, ge=1)
     """Shards S each client receives, at least 1; shards_per_client * num_clients must not exceed
     the pool size. With shards that do not straddle classes a client sees at most S classes."""
 
 
-class ClassesPerClientPartition(_PartitionBase):
+class ClassesPerClientPartition(_FixedClientsBase):
     """Each client holds exactly `classes_per_client` classes and the same number of samples."""
 
     scheme: Literal["classes_per_client"] = "classes_per_client"
     """The partition scheme: `classes_per_client`."""
 
-    num_clients: int = Field(100, ge=1)
-    """Number of clients K, at least 1."""
-
     classes_per_client: int = Field(2, ge=1)
     """Distinct classes per client, from 1 to the number of classes in the pool (pFedMB: 2)."""
 
 
-class DirichletPartition(_PartitionBase):
+class DirichletPartition(_FixedClientsBase):
     """Per class, client proportions drawn from Dir(alpha) (Hsu et al. 2019)."""
 
     scheme: Literal["dirichlet"] = "dirichlet"
     """The partition scheme: `dirichlet`."""
-
-    num_clients: int = Field(100, ge=1)
-    """Number of clients K, at least 1."""
 
     alpha: float = Field(0.3, gt=0.0)
     """Dirichlet concentration, > 0: small values (0.05) give one or two classes per client,
@@ -170,14 +168,11 @@ class DirichletPartition(_PartitionBase):
     min_client_size * num_clients must not exceed the pool size."""
 
 
-class MajorityClassPartition(_PartitionBase):
+class MajorityClassPartition(_FixedClientsBase):
     """Each client's samples: `majority_classes` classes form fraction p, the other classes the rest."""
 
     scheme: Literal["majority_class"] = "majority_class"
     """The partition scheme: `majority_class`."""
-
-    num_clients: int = Field(100, ge=1)
-    """Number of clients K, at least 1."""
 
     p: float = Field(0.8, ge=0.0, le=1.0)
     """Majority-class fraction p in [0, 1]: the majority classes together form round(p * n) of a
@@ -190,14 +185,11 @@ class MajorityClassPartition(_PartitionBase):
     """Number of majority classes per client, at least 1 and at most the classes in the pool."""
 
 
-class RandomClassSharesPartition(_PartitionBase):
+class RandomClassSharesPartition(_FixedClientsBase):
     """pFedMB's CIFAR-100 split: random classes per client, class samples shared by random weights."""
 
     scheme: Literal["random_class_shares"] = "random_class_shares"
     """The partition scheme: `random_class_shares`."""
-
-    num_clients: int = Field(100, ge=1)
-    """Number of clients K, at least 1."""
 
     classes_per_client: int = Field(20, ge=1)
     """Random distinct classes per client, from 1 to the number of classes in the pool (pFedMB: 20)."""
