@@ -276,10 +276,10 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
 @_guarded
 def methods():
     """List the methods, their phases and the papers their update rules come from."""
-    from fedpipe.algorithms import ALGORITHMS
+    from fedpipe.algorithms import ALGORITHMS, phases_of
 
     for name, cls in ALGORITHMS.items():
-        phases = ", ".join(p.name for p in cls.phases(cls.Params(), 10))
+        phases = ", ".join(p.name for p in phases_of(cls.Params(), 10))
         typer.echo(f"{name:<12} phases: {phases:<32} {cls.paper}")
 
 

@@ -34,7 +34,10 @@ def write_report(run: Run, algorithm: Algorithm, state: PhaseState, data: Federa
     if len(pers.clients[0].candidates) > 1:
         store.put_text(paths.report(f"{pers.candidate_label}_curve.csv"), curve_csv(pers))
         run._put_plot(f"{pers.candidate_label}_curve.png", lambda p: plots.candidate_curve(pers, p, title=summary["title"]))
-    store.put_text(paths.report("report.md"), markdown(summary, pers))
+    extra = algorithm.report_plots(rows)
+    for name, draw in extra.items():
+        run._put_plot(name, draw)
+    store.put_text(paths.report("report.md"), markdown(summary, pers, list(extra)))
     summary["report"] = store.url(paths.report_dir)
     return summary
 
@@ -133,11 +136,12 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-def markdown(summary: dict, pers: PersonalizedResult) -> str:
+def markdown(summary: dict, pers: PersonalizedResult, extra_plots: list[str] = ()) -> str:
     lines = [f"# {summary['title']}", "", "```", *summary_lines(summary), "```", ""]
     lines += ["![accuracy per round](accuracy.png)", ""]
     if pers.candidate_label and len(pers.clients[0].candidates) > 1:
         lines += [f"![{pers.candidate_label} curve]({pers.candidate_label}_curve.png)", ""]
+    lines += [f"![{name}]({name})" for name in extra_plots]
     lines += ["![partition](partition_heatmap.png)", "", "Per-client results: [clients.csv](clients.csv).", ""]
     return "\n".join(lines)
 

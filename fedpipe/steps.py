@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from fedpipe.algorithms import ALGORITHMS, Algorithm, build_algorithm
+from fedpipe.algorithms import Algorithm, build_algorithm, phases_of
 from fedpipe.algorithms.base import Phase, ServerState
 from fedpipe.config import RunConfig
 from fedpipe.data import DatasetBundle
@@ -97,7 +97,7 @@ class Run:
         return build_algorithm(self.cfg.method, model, self.cfg.run.seed), initial
 
     def phases(self) -> list[Phase]:
-        return ALGORITHMS[self.cfg.method.name].phases(self.cfg.method, self.cfg.train.rounds)
+        return phases_of(self.cfg.method, self.cfg.train.rounds)
 
     def labels(self, phase: str) -> RunLabels:
         return RunLabels(self.paths.run_id, self.cfg.telemetry.pipeline, self.cfg.method.name, phase, self.cfg.data.dataset)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kfp import compiler, dsl, kubernetes
 
-from fedpipe.algorithms import ALGORITHMS
+from fedpipe.algorithms import ALGORITHMS, phases_of
 from fedpipe.components.steps import DEFAULT_IMAGE, DEFAULT_TRAINING_IMAGE, Components, build
 from fedpipe.config import RunConfig, load_config
 
@@ -143,7 +143,7 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
         part = c.partition(config=config).set_display_name("partition")
         _storage(part, options, secret)
         manifest = part.outputs["manifest"]
-    phases = ALGORITHMS[cfg.method.name].phases(cfg.method, cfg.train.rounds)
+    phases = phases_of(cfg.method, cfg.train.rounds)
     previous = None
     for phase in phases:
         inputs = {"previous": previous} if previous is not None else {}

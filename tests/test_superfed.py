@@ -2,7 +2,7 @@
 
 import torch
 
-from fedpipe.algorithms.base import ServerState
+from fedpipe.algorithms.base import ClientContext, ServerState
 from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedLMParams, SuPerFedMM, SuPerFedMMParams
 from fedpipe.models import SuPerFedCNN
 
@@ -48,18 +48,18 @@ def test_mixed_model_at_lam_zero_is_the_global_model_and_at_one_the_local():
 def test_layer_mixing_draws_one_lam_per_layer_and_model_mixing_one():
     mm, g = make()
     lm, _ = make(SuPerFedLM)
-    phase2 = SuPerFedMM.phases(mm.params, 10)[1]
+    phase1, phase2 = SuPerFedMM.phases(mm.params, 10)
     gen = torch.Generator().manual_seed(0)
-    assert mm.batch_noise(phase2, None, gen).shape == ()
-    lam = lm.batch_noise(phase2, None, gen)
+    ctx = ClientContext(client_id=1, round=8, phase=phase2, data=None)
+    assert mm.batch_noise(ctx, None, gen).shape == ()
+    lam = lm.batch_noise(ctx, None, gen)
     assert lam.shape == (5,) and ((lam >= 0) & (lam <= 1)).all()
     local = lm.init_local(g, 1)
     mixed = lm.mix(g, local, lam)
     for n in lm.mixed:
         t = lam[lm.layer_of[n]]
         assert torch.allclose(mixed[n], (1 - t) * g[n] + t * local[n])
-    phase1 = SuPerFedMM.phases(mm.params, 10)[0]
-    assert mm.batch_noise(phase1, None, gen) is None  # Phase I draws nothing: lam = 0
+    assert mm.batch_noise(ClientContext(1, 2, phase1, None), None, gen) is None  # Phase I draws nothing: lam = 0
 
 
 def test_local_model_is_seeded_by_client_and_differs_from_global():

@@ -6,10 +6,10 @@ from typing import Annotated, Union
 
 from pydantic import Field
 
-from fedpipe.algorithms.base import Algorithm, MethodParams
+from fedpipe.algorithms.base import Algorithm, MethodParams, Phase
 from fedpipe.algorithms.fedavg import FedAvg
 from fedpipe.algorithms.fedprox import FedProx
-from fedpipe.algorithms.finetune import FedAvgFT, FedProxFT
+from fedpipe.algorithms.finetune import FedAvgFT, FedProxFT, FineTuned, finetune_phase
 from fedpipe.algorithms.local import Local
 from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedMM
 
@@ -21,8 +21,17 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 MethodConfig = Annotated[Union[tuple(cls.Params for cls in ALGORITHMS.values())], Field(discriminator="name")]
 
 
+def phases_of(params: MethodParams, rounds: int) -> list[Phase]:
+    """A configured method's phases: its own, then `finetune` when method.finetune_epochs > 0."""
+    phases = ALGORITHMS[params.name].phases(params, rounds)
+    if params.finetune_epochs:
+        phases.append(finetune_phase(max(p.last_round for p in phases)))
+    return phases
+
+
 def build_algorithm(params: MethodParams, model, seed: int) -> Algorithm:
-    return ALGORITHMS[params.name](params, model, seed)
+    algorithm = ALGORITHMS[params.name](params, model, seed)
+    return FineTuned(algorithm) if params.finetune_epochs else algorithm
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "MethodConfig", "MethodParams", "build_algorithm"]
+__all__ = ["ALGORITHMS", "Algorithm", "MethodConfig", "MethodParams", "build_algorithm", "phases_of"]

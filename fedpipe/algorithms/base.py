@@ -17,16 +17,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
 from fedpipe.schema import Section
 
+if TYPE_CHECKING:
+    from fedpipe.engine.data import ClientData
+
 Params = dict[str, torch.Tensor]
 Slots = dict[str, Params]  # slot name -> parameters, e.g. {"global": {...}, "local": {...}}
+Loss = Callable[[Slots, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,17 +53,43 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class ClientContext:
+    """Who is training, when, and on what: handed to every client-side call of a round."""
+
+    client_id: int
+    round: int  # global round index
+    phase: Phase
+    data: ClientData  # the client's train / validation / test splits, on the device
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Stop a stage when the loss on the client's validation split has not improved for `patience`
+    epochs, and keep the trainable tensors of its best epoch (the stage's `epochs` is the maximum)."""
+
+    patience: int
+
+
+@dataclass(frozen=True)
 class Stage:
     """One stretch of local optimisation inside a client's round.
 
     `loss(slots, x, y, noise)` must be pure: it reads only its arguments. `noise` is whatever
-    `Algorithm.batch_noise` drew for this batch (None when the stage needs no randomness).
+    `Algorithm.batch_noise` drew for this batch, or for the epoch with `noise_per="epoch"` (None
+    when the stage needs no randomness).
     """
 
     trainable: tuple[str, ...]  # slots whose tensors the optimiser updates
     epochs: int
-    loss: Callable[[Slots, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    loss: Loss
     lr_scale: float = 1.0  # multiplies the round's learning rate for this stage
+    lr: float | None = None  # an absolute learning rate instead (a method's own rate, e.g. pFedMB's eta_alpha)
+    noise_per: str = "batch"  # "batch" or "epoch": how often batch_noise is drawn
+    after_step: Callable[[Slots], None] | None = None  # in-place fix-up after each step (e.g. a projection)
+    update: Callable[[Slots, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor] | None = None
+    """A custom per-batch update (e.g. pFedMe's inner problem) that changes the trainable tensors in
+    place and returns the batch loss; None: the engine's optimiser steps on `loss`."""
+    early_stopping: EarlyStopping | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +104,7 @@ class Upload:
 @dataclass
 class ServerState:
     """What the server keeps between rounds: the global model, plus per-client tensors for methods
-    whose server personalises (none of the methods in this module do)."""
+    whose server personalises (FedAMP's cloud models, FedFomo's model pool)."""
 
     global_params: Params
     per_client: dict[int, Params] = field(default_factory=dict)
@@ -82,14 +114,20 @@ class MethodParams(Section):
     """Base of each method's hyperparameters (a `name` literal plus its own fields)."""
 
     name: str
+    finetune_epochs: int = Field(0, ge=0)
+    """After the method's own phases, every client fine-tunes its personalized model locally for
+    this many epochs (a `finetune` phase; 0: none). pFedMB's comparisons fine-tune every method."""
+    finetune_lr_scale: float = Field(1.0, gt=0)
+    """Fine-tuning learning rate as a multiple of train.lr decayed to the fine-tuning round."""
 
 
 class Algorithm(ABC):
-    """A federated method. Subclasses set `name`, `Params` and implement the abstract methods."""
+    """A federated method. Subclasses set `name`, `Params`, `paper` and implement the abstract methods."""
 
     name: ClassVar[str]
     Params: ClassVar[type[MethodParams]]
     paper: ClassVar[str]  # where its update rules come from
+    supports_finetune: ClassVar[bool] = True  # False where personalization is not one model per client
 
     def __init__(self, params: MethodParams, model: nn.Module, seed: int):
         self.params = params
@@ -98,6 +136,7 @@ class Algorithm(ABC):
 
     # --- the network as a pure function -------------------------------------------------------
     def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        """The method's network on parameter tensors: what every loss and every evaluation calls."""
         return functional_call(self.model, params, (x,))
 
     # --- phases ---------------------------------------------------------------------------------
@@ -109,21 +148,21 @@ class Algorithm(ABC):
 
     # --- client side ----------------------------------------------------------------------------
     @abstractmethod
-    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         """The slots a client trains and reads this round, built from what it downloaded and the
         state it kept from earlier rounds (None on its first round). Returned tensors may alias
         their inputs: the engine copies the trainable ones before optimising."""
 
     @abstractmethod
-    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
-        """The local optimisation stages of a client's round in `phase`."""
+    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
+        """The local optimisation stages of a client's round."""
 
-    def batch_noise(self, phase: Phase, stage: Stage, generator: torch.Generator) -> torch.Tensor | None:
-        """Per-batch randomness the loss needs (SuPerFed's lam). Drawn from the client's generator."""
+    def batch_noise(self, ctx: ClientContext, stage: Stage, generator: torch.Generator) -> torch.Tensor | None:
+        """Per-batch (or per-epoch) randomness the loss needs (SuPerFed's lam). Drawn from the client's generator."""
         return None
 
     @abstractmethod
-    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
         """(upload, new persistent state) after local training. upload None: nothing is sent."""
 
     # --- server side ----------------------------------------------------------------------------
@@ -138,14 +177,25 @@ class Algorithm(ABC):
         averaged = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
         return ServerState({**server.global_params, **averaged}, server.per_client)
 
+    def round_details(self, server: ServerState, clients: dict[int, Params]) -> dict:
+        """Method-specific records of a finished round, JSON-serialisable (e.g. each client's branch
+        weights), written to the round's line in the run's JSONL file; never pushed as metrics."""
+        return {}
+
+    def report_plots(self, rounds: list[dict]) -> dict[str, Callable[[Path], object]]:
+        """Extra figures for the report, drawn from the run's round lines (with their `details`):
+        {file name: function that draws it at a path}. E.g. pFedMB's alpha heatmap."""
+        return {}
+
     # --- evaluation -----------------------------------------------------------------------------
     def global_model(self, server: ServerState) -> Params | None:
         """The model evaluated on the global test set (None when the method has none)."""
         return server.global_params
 
     def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:
-        """A client's personalized model(s). With several candidates (SuPerFed's lam grid) the engine
-        picks one per client on its validation split and reports the whole curve."""
+        """A client's personalized model(s), as parameters `forward` takes. With several candidates
+        (SuPerFed's lam grid) the engine picks one per client on its validation split and reports
+        the whole curve."""
         return [(0.0, self.global_model(server) or server.global_params)]
 
     @property

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from fedpipe.algorithms.base import Algorithm, MethodParams, Params, Phase, Slots, Stage, cross_entropy
+from fedpipe.algorithms.base import Algorithm, ClientContext, MethodParams, Params, Phase, Slots, Stage, cross_entropy
 
 
 class FedAvgParams(MethodParams):
@@ -26,14 +26,14 @@ class FedAvg(Algorithm):
         return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
                       description="federated training of one global model")]
 
-    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         return {"global": download}
 
-    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
+    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
         return [Stage(("global",), local_epochs, self.loss)]
 
     def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         return cross_entropy(self.forward(slots["global"], x), y)
 
-    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
         return slots["global"], state

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedpipe.algorithms.base import MethodParams, Params, Phase, Slots, cross_entropy
+from fedpipe.algorithms.base import ClientContext, MethodParams, Params, Slots, cross_entropy
 from fedpipe.algorithms.fedavg import FedAvg
 from fedpipe.algorithms.regularizers import proximal_layer_norms, proximal_squared, weight_names
 
@@ -31,7 +31,7 @@ class FedProx(FedAvg):
     paper = "Li et al. 2020, Eq. 2"
     params: FedProxParams
 
-    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         return {"global": download, "anchor": download}
 
     def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""FedAvg-FT and FedProx-FT: federated training, then E epochs of local fine-tuning per client.
+"""Local fine-tuning after federated training, for any method (`method.finetune_epochs`), and the
+FedAvg-FT / FedProx-FT baselines that are FedAvg / FedProx with it switched on.
 
-The "local update" personalisation of Wang et al. ("Federated Evaluation of On-device
-Personalization", 2019) that SuPerFed's tables call FedAvg-LU / FedProx-LU: after the last round
-every client fine-tunes the final global model on its own training split with plain cross-entropy,
-and keeps the result as its personalized model.
+The "local update" personalization of Wang et al. ("Federated Evaluation of On-device
+Personalization", 2019), which SuPerFed's tables call FedAvg-LU / FedProx-LU and which pFedMB's
+comparison applies to every method: after the last round every client fine-tunes its personalized
+model (the global model, or what the method personalizes it into) on its own training split with
+plain cross-entropy for E epochs, and keeps the result as its personalized model.
 """
 
 from __future__ import annotations
@@ -13,70 +15,123 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedpipe.algorithms.base import Params, Phase, ServerState, Slots, Stage, cross_entropy
+from fedpipe.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    MethodParams,
+    Params,
+    Phase,
+    ServerState,
+    Slots,
+    Stage,
+    Upload,
+    cross_entropy,
+)
 from fedpipe.algorithms.fedavg import FedAvg, FedAvgParams
 from fedpipe.algorithms.fedprox import FedProx, FedProxParams
-from fedpipe.schema import Section
+
+FINETUNED = "finetuned/"  # prefix of the fine-tuned tensors in a client's kept state
 
 
-class _FineTuneFields(Section):
-    finetune_epochs: int = Field(5, ge=1)
-    """Local epochs of fine-tuning per client after federated training (E of the fine-tuning step)."""
-    finetune_lr_scale: float = Field(1.0, gt=0)
-    """Fine-tuning learning rate as a multiple of train.lr decayed to the fine-tuning round."""
+def finetune_phase(after_round: int) -> Phase:
+    return Phase("finetune", after_round + 1, after_round + 1, sample_clients=False, communicates=False,
+                 description="every client fine-tunes its personalized model locally")
 
 
-class FedAvgFTParams(FedAvgParams, _FineTuneFields):
+def _own(state: Params | None) -> Params | None:
+    """The wrapped method's part of a client's state (without the fine-tuned tensors)."""
+    if state is None:
+        return None
+    return {k: v for k, v in state.items() if not k.startswith(FINETUNED)}
+
+
+class FineTuned(Algorithm):
+    """Wraps a method and adds its `finetune` phase; everything else is the wrapped method's."""
+
+    def __init__(self, inner: Algorithm):
+        super().__init__(inner.params, inner.model, inner.seed)
+        self.inner = inner
+        self.name = inner.name
+        self.paper = f"{inner.paper} + local fine-tuning (Wang et al. 2019)"
+
+    @classmethod
+    def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
+        from fedpipe.algorithms import phases_of
+
+        return phases_of(params, rounds)
+
+    def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(params, x)
+
+    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
+        if ctx.phase.name != "finetune":
+            return self.inner.client_params(ctx, download, _own(state))
+        candidates = self.inner.personalized_candidates(ServerState(download), _own(state), ctx.client_id)
+        return {"personal": candidates[0][1]}
+
+    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
+        if ctx.phase.name != "finetune":
+            return self.inner.stages(ctx, local_epochs)
+        return [Stage(("personal",), self.params.finetune_epochs, self._finetune_loss, lr_scale=self.params.finetune_lr_scale)]
+
+    def _finetune_loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        return cross_entropy(self.inner.forward(slots["personal"], x), y)
+
+    def batch_noise(self, ctx: ClientContext, stage: Stage, generator: torch.Generator) -> torch.Tensor | None:
+        return None if ctx.phase.name == "finetune" else self.inner.batch_noise(ctx, stage, generator)
+
+    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+        if ctx.phase.name != "finetune":
+            return self.inner.client_result(ctx, slots, _own(state))
+        return None, {**(_own(state) or {}), **{FINETUNED + k: v for k, v in slots["personal"].items()}}
+
+    def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
+        return self.inner.download(phase, server, client_id)
+
+    def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
+        return self.inner.aggregate(phase, server, uploads)
+
+    def global_model(self, server: ServerState) -> Params | None:
+        return self.inner.global_model(server)
+
+    def report_plots(self, rounds: list[dict]):
+        return self.inner.report_plots(rounds)
+
+    def round_details(self, server: ServerState, clients: dict[int, Params]) -> dict:
+        return self.inner.round_details(server, {k: _own(v) for k, v in clients.items()})
+
+    def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:
+        tuned = {k.removeprefix(FINETUNED): v for k, v in (state or {}).items() if k.startswith(FINETUNED)}
+        return [(0.0, tuned)] if tuned else self.inner.personalized_candidates(server, _own(state), client_id)
+
+    @property
+    def candidate_label(self) -> str | None:
+        return self.inner.candidate_label
+
+
+class FedAvgFTParams(FedAvgParams):
     """FedAvg, then local fine-tuning of the final global model on every client."""
 
     name: Literal["fedavg_ft"] = "fedavg_ft"  # type: ignore[assignment]
+    finetune_epochs: int = Field(5, ge=1)
+    """Local epochs of fine-tuning per client after federated training (E of the fine-tuning step)."""
 
 
-class FedProxFTParams(FedProxParams, _FineTuneFields):
+class FedProxFTParams(FedProxParams):
     """FedProx, then local fine-tuning of the final global model on every client."""
 
     name: Literal["fedprox_ft"] = "fedprox_ft"  # type: ignore[assignment]
+    finetune_epochs: int = Field(5, ge=1)
+    """Local epochs of fine-tuning per client after federated training (E of the fine-tuning step)."""
 
 
-class FineTuned:
-    """Mixin: appends a `finetune` phase (one pass over every client, no upload) to a federated method."""
-
-    @classmethod
-    def phases(cls, params, rounds: int) -> list[Phase]:
-        federated = super().phases(params, rounds)  # type: ignore[misc]
-        return [*federated, Phase("finetune", rounds + 1, rounds + 1, sample_clients=False, communicates=False,
-                                  description="every client fine-tunes the final global model locally")]
-
-    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
-        if phase.name == "finetune":
-            return {"personal": download}
-        return super().client_params(phase, download, state, client_id)  # type: ignore[misc]
-
-    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
-        if phase.name == "finetune":
-            p = self.params  # type: ignore[attr-defined]
-            return [Stage(("personal",), p.finetune_epochs, self._finetune_loss, lr_scale=p.finetune_lr_scale)]
-        return super().stages(phase, local_epochs)  # type: ignore[misc]
-
-    def _finetune_loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        return cross_entropy(self.forward(slots["personal"], x), y)  # type: ignore[attr-defined]
-
-    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
-        if phase.name == "finetune":
-            return None, slots["personal"]
-        return super().client_result(phase, slots, state)  # type: ignore[misc]
-
-    def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:
-        return [(0.0, state if state is not None else server.global_params)]
-
-
-class FedAvgFT(FineTuned, FedAvg):
+class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     Params = FedAvgFTParams
-    paper = "McMahan et al. 2017 + local fine-tuning (Wang et al. 2019)"
+    paper = "McMahan et al. 2017"
 
 
-class FedProxFT(FineTuned, FedProx):
+class FedProxFT(FedProx):
     name = "fedprox_ft"
     Params = FedProxFTParams
-    paper = "Li et al. 2020 + local fine-tuning (Wang et al. 2019)"
+    paper = "Li et al. 2020, Eq. 2"

@@ -11,7 +11,17 @@ from typing import Literal
 
 import torch
 
-from fedpipe.algorithms.base import Algorithm, MethodParams, Params, Phase, ServerState, Slots, Stage, cross_entropy
+from fedpipe.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    MethodParams,
+    Params,
+    Phase,
+    ServerState,
+    Slots,
+    Stage,
+    cross_entropy,
+)
 
 
 class LocalParams(MethodParams):
@@ -30,16 +40,16 @@ class Local(Algorithm):
         return [Phase("local", 1, rounds, sample_clients=True, communicates=False, downloads=False,
                       description="each client trains its own model, nothing is sent")]
 
-    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         return {"local": state if state is not None else download}
 
-    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
+    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
         return [Stage(("local",), local_epochs, self.loss)]
 
     def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         return cross_entropy(self.forward(slots["local"], x), y)
 
-    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
         return None, slots["local"]
 
     def global_model(self, server: ServerState) -> Params | None:

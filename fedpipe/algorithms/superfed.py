@@ -22,9 +22,19 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from fedpipe.algorithms.base import Algorithm, MethodParams, Params, Phase, ServerState, Slots, Stage, cross_entropy
+from fedpipe.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    MethodParams,
+    Params,
+    Phase,
+    ServerState,
+    Slots,
+    Stage,
+    cross_entropy,
+)
 from fedpipe.algorithms.regularizers import proximal_layer_norms, squared_cosine, weight_names
 from fedpipe.engine.seeding import torch_generator
 
@@ -39,6 +49,12 @@ class _SuPerFedFields(MethodParams):
     trained by both phases. True: biases are mixed too (the paper's wording: the whole models mix)."""
     lam_grid_step: float = Field(0.1, gt=0, le=1)
     """Spacing of the lam grid swept at evaluation (0.0, 0.1, ..., 1.0 by default)."""
+
+    @model_validator(mode="after")
+    def _mixing_is_the_personalization(self):
+        if self.finetune_epochs:
+            raise ValueError("SuPerFed personalizes by mixing its global and local models (lam); finetune_epochs must stay 0")
+        return self
 
 
 class SuPerFedMMParams(_SuPerFedFields):
@@ -90,10 +106,10 @@ class SuPerFedMM(Algorithm):
         ]
 
     # --- client side ----------------------------------------------------------------------------
-    def client_params(self, phase: Phase, download: Params, state: Params | None, client_id: int) -> Slots:
+    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         slots = {"global": download, "anchor": download}
-        if phase.name == "personalization":
-            slots["local"] = state if state is not None else self.init_local(download, client_id)
+        if ctx.phase.name == "personalization":
+            slots["local"] = state if state is not None else self.init_local(download, ctx.client_id)
         return slots
 
     def init_local(self, like: Params, client_id: int) -> Params:
@@ -110,13 +126,13 @@ class SuPerFedMM(Algorithm):
             local[n] = t.to(like[n].device)
         return local
 
-    def stages(self, phase: Phase, local_epochs: int) -> list[Stage]:
-        if phase.name == "personalization":
+    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
+        if ctx.phase.name == "personalization":
             return [Stage(("global", "local"), local_epochs, self.mixed_loss)]
         return [Stage(("global",), local_epochs, self.federation_loss)]
 
-    def batch_noise(self, phase: Phase, stage: Stage, generator: torch.Generator) -> torch.Tensor | None:
-        if phase.name != "personalization":
+    def batch_noise(self, ctx: ClientContext, stage: Stage, generator: torch.Generator) -> torch.Tensor | None:
+        if ctx.phase.name != "personalization":
             return None
         return torch.rand(self.num_layers if self.layerwise else (), generator=generator)
 
@@ -144,7 +160,7 @@ class SuPerFedMM(Algorithm):
             out[n] = (1 - lam_n) * g[n] + lam_n * l[n]
         return out
 
-    def client_result(self, phase: Phase, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
+    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
         return slots["global"], slots.get("local", state)
 
     # --- evaluation -----------------------------------------------------------------------------

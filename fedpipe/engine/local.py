@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpipe.algorithms.base import Algorithm, Phase, Slots, Stage
-from fedpipe.engine.data import Split
+from fedpipe.algorithms.base import Algorithm, ClientContext, Slots, Stage
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,19 @@ def make_optimizer(kind: str, tensors: list[torch.Tensor], lr: float, momentum: 
     return torch.optim.SGD(tensors, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
+@torch.no_grad()
+def _validation_loss(stage: Stage, slots: Slots, ctx: ClientContext, batch_size: int) -> float:
+    val = ctx.data.val
+    total = sum(float(stage.loss(slots, val.x[i : i + batch_size], val.y[i : i + batch_size], None)) * len(val.y[i : i + batch_size])
+                for i in range(0, len(val), batch_size))
+    return total / max(len(val), 1)
+
+
 def train_client(
     algorithm: Algorithm,
-    phase: Phase,
+    ctx: ClientContext,
     slots: Slots,
     stages: list[Stage],
-    data: Split,
     *,
     batch_size: int,
     lr: float,
@@ -36,12 +42,14 @@ def train_client(
     weight_decay: float,
     generator: torch.Generator,
 ) -> tuple[Slots, ClientStats]:
-    """Run `stages` on `data` and return the trained slots (detached) and the client's statistics.
+    """Run `stages` on the client's training split and return the trained slots (detached) and statistics.
 
     Trainable slots are copied first, so the downloaded tensors (which other clients share) are
     never written. Each epoch shuffles with `generator`; the last batch may be smaller (no sample
-    is dropped).
+    is dropped). A stage with early stopping keeps the tensors of its epoch with the lowest
+    validation loss.
     """
+    data = ctx.data.train
     trained = {name for stage in stages for name in stage.trainable}
     slots = {
         name: {k: (t.detach().clone() if name in trained else t.detach()) for k, t in tensors.items()}
@@ -56,18 +64,41 @@ def train_client(
         for name in trained:  # only this stage's tensors collect gradients
             for t in slots[name].values():
                 t.requires_grad_(name in stage.trainable)
-        opt = make_optimizer(optimizer, params, lr * stage.lr_scale, momentum, weight_decay)
+        stage_lr = stage.lr if stage.lr is not None else lr * stage.lr_scale
+        opt = None if stage.update else make_optimizer(optimizer, params, stage_lr, momentum, weight_decay)
+        best, best_loss, waited = None, float("inf"), 0
         for _ in range(stage.epochs):
             order = torch.randperm(n, generator=generator).to(device)
+            noise = algorithm.batch_noise(ctx, stage, generator) if stage.noise_per == "epoch" else None
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
-                noise = algorithm.batch_noise(phase, stage, generator)
-                loss = stage.loss(slots, data.x[idx], data.y[idx], noise)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                if stage.noise_per == "batch":
+                    noise = algorithm.batch_noise(ctx, stage, generator)
+                if stage.update is not None:
+                    loss = stage.update(slots, data.x[idx], data.y[idx], noise, stage_lr)
+                else:
+                    loss = stage.loss(slots, data.x[idx], data.y[idx], noise)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                if stage.after_step is not None:
+                    with torch.no_grad():
+                        stage.after_step(slots)
                 loss_sum += loss.detach() * idx.numel()
                 seen += idx.numel()
+            if stage.early_stopping is not None and len(ctx.data.val):
+                val_loss = _validation_loss(stage, slots, ctx, max(batch_size, 256))
+                if val_loss < best_loss:
+                    best_loss, waited = val_loss, 0
+                    best = {name: {k: t.detach().clone() for k, t in slots[name].items()} for name in stage.trainable}
+                else:
+                    waited += 1
+                    if waited >= stage.early_stopping.patience:
+                        break
+        if best is not None:
+            for name, tensors in best.items():
+                for k, t in tensors.items():
+                    slots[name][k].data.copy_(t)
     for name in trained:
         for t in slots[name].values():
             t.requires_grad_(False)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpipe.algorithms.base import Algorithm, Params, Phase, Upload
+from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Upload
 from fedpipe.config import RunConfig
 from fedpipe.engine.data import FederatedData
 from fedpipe.engine.local import train_client
@@ -80,16 +80,17 @@ def run_phase(
             raise TrainingError(f"No client can take part in phase {phase.name!r}: every client is opt-out. Lower partition.opt_out_fraction.")
         for cid in chosen:
             client = by_id[cid]
+            ctx = ClientContext(cid, round_, phase, client)
             download = algorithm.download(phase, state.server, cid)
             kept = state.clients.get(cid)
             try:
-                slots = algorithm.client_params(phase, download, kept, cid)
+                slots = algorithm.client_params(ctx, download, kept)
                 slots, stats = train_client(
-                    algorithm, phase, slots, algorithm.stages(phase, train.local_epochs), client.train,
+                    algorithm, ctx, slots, algorithm.stages(ctx, train.local_epochs),
                     batch_size=train.batch_size, lr=lr, optimizer=train.optimizer, momentum=train.momentum,
                     weight_decay=train.weight_decay, generator=torch_generator(seed, "client", round_, cid),
                 )
-                upload, new_state = algorithm.client_result(phase, slots, kept)
+                upload, new_state = algorithm.client_result(ctx, slots, kept)
                 _check_finite(cid, upload)
                 _check_finite(cid, new_state)
             except (FedpipeError, KeyboardInterrupt):
@@ -143,6 +144,7 @@ def run_phase(
                 personalized_accuracy=personalized, global_accuracy=global_acc,
                 bytes_uploaded=bytes_up, bytes_downloaded=bytes_down, seconds=seconds,
                 samples_per_second=samples / seconds if seconds > 0 else 0.0, extra=extra,
+                details=algorithm.round_details(state.server, state.clients),
             )
         )
     state.phase = phase.name

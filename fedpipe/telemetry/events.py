@@ -37,7 +37,8 @@ class RoundEvent:
     bytes_downloaded: int  # server -> client, this round
     seconds: float  # wall time of the round (training + aggregation, evaluation excluded)
     samples_per_second: float  # training samples processed per second of `seconds`
-    extra: dict[str, float] = field(default_factory=dict)  # method-specific scalars
+    extra: dict[str, float] = field(default_factory=dict)  # method-specific scalars (also pushed as metrics)
+    details: dict = field(default_factory=dict)  # method-specific records (e.g. pFedMB's alphas): JSONL only
 
     def to_dict(self) -> dict:
         d = asdict(self)
