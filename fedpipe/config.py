@@ -93,6 +93,9 @@ class EvalConfig(Section):
     """Bins of the expected calibration error."""
     batch_size: int = Field(1000, ge=1)
     """Batch size for evaluation (memory only; results do not depend on it)."""
+    personalized_on_global_test: bool = False
+    """Also score every client's personalized model on the balanced global test set (the mixture-of-
+    experts paper's global column: how well specialists generalise); costs clients x test-set forwards."""
 
 
 class TelemetryConfig(Section):

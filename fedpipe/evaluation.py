@@ -94,6 +94,7 @@ class ClientResult:
     test: tuple[Scores, ...]
     chosen: int  # index picked on validation
     oracle: int  # index with the best test accuracy (reported beside, never as the headline)
+    on_global_test: Scores | None = None  # the chosen model on the shared global test set (when asked)
 
     @property
     def accuracy(self) -> float:
@@ -119,6 +120,13 @@ class PersonalizedResult:
         return float(correct / max(sum(c.test[c.chosen].n for c in self.clients), 1))
 
     @property
+    def mean_global_test_accuracy(self) -> float | None:
+        """Mean over clients of their personalized model's accuracy on the balanced global test set
+        (how well a specialist generalises; the mixture-of-experts paper's "global" column)."""
+        scores = [c.on_global_test.accuracy for c in self.clients if c.on_global_test is not None]
+        return float(np.mean(scores)) if scores else None
+
+    @property
     def oracle_mean_accuracy(self) -> float:
         return float(np.mean([c.test[c.oracle].accuracy for c in self.clients]))
 
@@ -137,8 +145,11 @@ def _pick(scores: tuple[Scores, ...]) -> int:
 
 
 def evaluate_personalized(
-    algorithm: Algorithm, server: ServerState, client_states: dict[int, Params], data: FederatedData, batch_size: int, ece_bins: int
+    algorithm: Algorithm, server: ServerState, client_states: dict[int, Params], data: FederatedData, batch_size: int, ece_bins: int,
+    on_global_test: bool = False,
 ) -> PersonalizedResult:
+    """Every client's candidates on its validation and test splits; with `on_global_test`, also its
+    chosen model on the global test set."""
     results = []
     with eval_mode(algorithm.model):
         for client in data.clients:
@@ -154,9 +165,12 @@ def evaluate_personalized(
                 logits = seen[id(params)]
                 val.append(score(logits[:cut], select_on.y, None))  # selection needs accuracy and loss only
                 test.append(score(logits[cut:], client.test.y, ece_bins))
-            results.append(
-                ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val), tuple(test), _pick(val), _pick(test))
-            )
+            chosen = _pick(val)
+            glob = None
+            if on_global_test and len(data.global_test):
+                glob = score(predict(algorithm, candidates[chosen][1], data.global_test.x, batch_size), data.global_test.y, ece_bins)
+            results.append(ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val), tuple(test),
+                                        chosen, _pick(test), glob))
     return PersonalizedResult(tuple(results), algorithm.candidate_label)
 
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def write_report(run: Run, algorithm: Algorithm, state: PhaseState, data: FederatedData, phases: list[Phase]) -> dict:
     cfg, store, paths = run.cfg, run.store, run.paths
-    pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins)
+    pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins,
+                                 on_global_test=cfg.eval.personalized_on_global_test)
     glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
     rows = read_rounds(store, [paths.rounds(p.name) for p in phases])
     summary = build_summary(run, pers, glob, rows, data)
@@ -54,6 +55,8 @@ def build_summary(run: Run, pers: PersonalizedResult, glob: Scores | None, rows:
         "weighted": pers.weighted_accuracy,
         "clients": len(pers.clients),
     }
+    if pers.mean_global_test_accuracy is not None:
+        personalized["on_global_test"] = pers.mean_global_test_accuracy
     if pers.candidate_label:
         chosen = sorted(c.candidates[c.chosen] for c in pers.clients)
         personalized[f"chosen_{pers.candidate_label}"] = {
@@ -85,14 +88,15 @@ def clients_csv(pers: PersonalizedResult, data: FederatedData) -> str:
     out = io.StringIO()
     w = csv.writer(out)
     label = pers.candidate_label
-    head = ["client", "opt_out", "train", "val", "test", "accuracy", "loss", "ece"]
+    head = ["client", "opt_out", "train", "val", "test", "accuracy", "loss", "ece", "global_test_accuracy"]
     if label:
         head += [f"chosen_{label}", f"oracle_{label}", "oracle_accuracy"]
     w.writerow(head)
     by_id = {c.client_id: c for c in data.clients}
     for c in pers.clients:
         d, t = by_id[c.client_id], c.test[c.chosen]
-        row = [c.client_id, int(c.opt_out), len(d.train), len(d.val), len(d.test), f"{t.accuracy:.4f}", f"{t.loss:.4f}", f"{t.ece:.4f}"]
+        glob = "" if c.on_global_test is None else f"{c.on_global_test.accuracy:.4f}"
+        row = [c.client_id, int(c.opt_out), len(d.train), len(d.val), len(d.test), f"{t.accuracy:.4f}", f"{t.loss:.4f}", f"{t.ece:.4f}", glob]
         if label:
             row += [c.candidates[c.chosen], c.candidates[c.oracle], f"{c.test[c.oracle].accuracy:.4f}"]
         w.writerow(row)
@@ -120,6 +124,8 @@ def summary_lines(summary: dict) -> list[str]:
         summary["title"],
         f"  personalized accuracy  {_pct(p['mean'])} ± {_pct(p['std'])} (mean over {p['clients']} clients; sample-weighted {_pct(p['weighted'])})",
     ]
+    if "on_global_test" in p:
+        lines.append(f"  ... on global test    {_pct(p['on_global_test'])} (each client's personalized model on the balanced global test set)")
     for key, val in p.items():
         if key.startswith("chosen_"):
             name = key.removeprefix("chosen_")

@@ -75,3 +75,12 @@ def test_a_failing_client_is_left_out_and_counted_and_all_failing_stops_the_phas
     with pytest.raises(TrainingError, match="only 0 of 4 clients reported back.*non-finite"):
         run.train("federation")
     assert not (tmp_path / "b" / "test" / "phases" / "federation" / "final.pt").exists()
+
+
+def test_personalized_models_can_be_scored_on_the_global_test_set(tmp_path):
+    run = small_run(tmp_path, "method.name=local", "train.rounds=1", "partition.num_clients=3", "eval.personalized_on_global_test=true")
+    summary = run.run_all()
+    p = summary["personalized_accuracy"]
+    assert 0 < p["on_global_test"] < p["mean"]  # a 2-class local model generalises worse than it specialises
+    rows = (tmp_path / "test" / "report" / "clients.csv").read_text().splitlines()
+    assert rows[0].endswith("global_test_accuracy") and all(r.split(",")[-1] for r in rows[1:])

@@ -81,6 +81,9 @@ DIRICHLET_MAX_DRAWS = 50
 # ================================================================================================
 
 
+FeatureShift = Literal["rotate90", "rotate180", "rotate270", "flip", "invert"]
+
+
 class _PartitionBase(Section):
     """Fields every partition scheme shares: the per-client splits, the global test hold-out, opt-out."""
 
@@ -99,6 +102,15 @@ class _PartitionBase(Section):
     opt_out_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction q of clients flagged opt-out, in [0, 1): round(q * K) clients drawn at random never
     take part in federated aggregation (they keep all data private; mixture-of-experts method)."""
+
+    feature_shift: tuple[FeatureShift, ...] = ()
+    """Feature skew on top of the label split: round(feature_shift_fraction * K) clients drawn at
+    random see every one of their images transformed, the j-th of them by feature_shift[j % len]
+    (rotate90, rotate180, rotate270, flip, invert); e.g. [rotate90, invert] for FedMN's mixed label
+    and feature skew. Empty: no feature skew. The global test set is never transformed."""
+
+    feature_shift_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Fraction of clients whose images are transformed when feature_shift is set, in [0, 1]."""
 
     @model_validator(mode="after")
     def _fractions_leave_training_data(self) -> _PartitionBase:
@@ -803,6 +815,7 @@ class ClientSplit:
     test: np.ndarray
     opt_out: bool
     label_counts: np.ndarray  # (num_classes,) samples per class over train + val + test
+    transform: str | None = None  # the feature shift applied to all its images (None: none)
 
     @property
     def indices(self) -> np.ndarray:
@@ -892,6 +905,7 @@ class Partition:
                 {
                     "id": int(c.id),
                     "opt_out": bool(c.opt_out),
+                    "transform": c.transform,
                     "sizes": {"train": int(c.train.size), "val": int(c.val.size), "test": int(c.test.size)},
                     "indices": {"train": c.train.tolist(), "val": c.val.tolist(), "test": c.test.tolist()},
                     "label_counts": c.label_counts.tolist(),
@@ -921,6 +935,7 @@ class Partition:
                 test=_as_index_array(c.indices.test),
                 opt_out=c.opt_out,
                 label_counts=np.asarray(c.label_counts, dtype=np.int64),
+                transform=c.transform,
             )
             for c in model.clients
         )
@@ -966,6 +981,7 @@ class _SplitIndices(_ManifestPart):
 class _ClientManifest(_ManifestPart):
     id: NonNegativeInt
     opt_out: bool
+    transform: FeatureShift | None = None
     sizes: _SplitSizes
     indices: _SplitIndices
     label_counts: list[NonNegativeInt]
@@ -1037,6 +1053,13 @@ class _Manifest(_ManifestPart):
             raise ValueError(
                 f"{opt_outs} clients are opt_out but scheme.opt_out_fraction={self.scheme.opt_out_fraction} "
                 f"of {k} clients means {expected_opt}"
+            )
+        shifted = [c.transform for c in self.clients if c.transform is not None]
+        expected_shifted = _round_half_up(self.scheme.feature_shift_fraction * k) if self.scheme.feature_shift else 0
+        if len(shifted) != expected_shifted or not set(shifted) <= set(self.scheme.feature_shift):
+            raise ValueError(
+                f"{len(shifted)} clients have a transform ({sorted(set(shifted))}) but scheme.feature_shift="
+                f"{list(self.scheme.feature_shift)} with fraction {self.scheme.feature_shift_fraction} means {expected_shifted}"
             )
         # every index in range, and used once across all clients, splits and the global test hold-out
         arrays, owners = [], []
@@ -1111,6 +1134,14 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
         )
     opt_out = np.zeros(k, dtype=bool)
     opt_out[_stream(seed, "opt_out").choice(k, n_opt, replace=False)] = True
+    transforms: list[str | None] = [None] * k
+    if cfg.feature_shift:
+        height, width = bundle.input_shape[1:]
+        if height != width and {"rotate90", "rotate270"} & set(cfg.feature_shift):
+            raise DataError(f"partition.feature_shift rotates by 90 degrees, which needs square images; {bundle.name} has {height}x{width}.")
+        shifted = _stream(seed, "feature_shift").choice(k, _round_half_up(cfg.feature_shift_fraction * k), replace=False)
+        for j, i in enumerate(sorted(shifted)):
+            transforms[i] = cfg.feature_shift[j % len(cfg.feature_shift)]
 
     split_rng = _stream(seed, "splits")
     clients = []
@@ -1138,6 +1169,7 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
                 test=np.sort(rows[n_train + n_val :]),
                 opt_out=bool(opt_out[i]),
                 label_counts=np.bincount(labels[rows], minlength=bundle.num_classes).astype(np.int64),
+                transform=transforms[i],
             )
         )
     return Partition(

@@ -47,25 +47,40 @@ def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return flat.mean(axis=1), np.maximum(flat.std(axis=1), 1e-6)
 
 
+FEATURE_SHIFTS = {
+    "rotate90": lambda x: np.rot90(x, 1, axes=(2, 3)),
+    "rotate180": lambda x: np.rot90(x, 2, axes=(2, 3)),
+    "rotate270": lambda x: np.rot90(x, 3, axes=(2, 3)),
+    "flip": lambda x: x[..., ::-1],
+    "invert": lambda x: 255 - x,
+}
+
+
 def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:
-    """Standardise images with the clients' training pixels' statistics and move everything to `device`."""
-    train_rows = np.concatenate([c.train for c in partition.clients])
-    mean, std = channel_stats(bundle.train.x[train_rows])
+    """Apply each client's feature shift, standardise images with the clients' training pixels'
+    statistics, and move everything to `device`."""
+
+    def raw(arrays: LabeledArrays, rows: np.ndarray | None, transform: str | None) -> tuple[np.ndarray, np.ndarray]:
+        x, y = (arrays.x, arrays.y) if rows is None else (arrays.x[rows], arrays.y[rows])
+        return (FEATURE_SHIFTS[transform](x) if transform else x), y
+
+    splits = [{s: raw(bundle.train, getattr(c, s), c.transform) for s in ("train", "val", "test")} for c in partition.clients]
+    mean, std = channel_stats(np.concatenate([s["train"][0] for s in splits]))
     mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
 
-    def to_split(arrays: LabeledArrays, rows: np.ndarray | None) -> Split:
-        x, y = (arrays.x, arrays.y) if rows is None else (arrays.x[rows], arrays.y[rows])
+    def to_split(xy: tuple[np.ndarray, np.ndarray]) -> Split:
+        x, y = xy
         xt = (torch.from_numpy(np.ascontiguousarray(x)).float().div_(255.0) - mean_t) / std_t
         return Split(xt.to(device), torch.from_numpy(np.ascontiguousarray(y)).long().to(device))
 
     clients = tuple(
-        ClientData(c.id, to_split(bundle.train, c.train), to_split(bundle.train, c.val), to_split(bundle.train, c.test), c.opt_out)
-        for c in partition.clients
+        ClientData(c.id, to_split(s["train"]), to_split(s["val"]), to_split(s["test"]), c.opt_out)
+        for c, s in zip(partition.clients, splits)
     )
     if partition.global_test_indices is None:
         assert bundle.test is not None, "an official-test partition needs the dataset's test split"
-        global_test = to_split(bundle.test, None)
+        global_test = to_split(raw(bundle.test, None, None))
     else:
-        global_test = to_split(bundle.train, partition.global_test_indices)
+        global_test = to_split(raw(bundle.train, partition.global_test_indices, None))
     return FederatedData(clients, global_test, bundle.num_classes, bundle.input_shape)
