@@ -136,4 +136,8 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
             f"model.name={name!r} needs images at least {info.min_side}x{info.min_side}, but the dataset's "
             f"images are {input_shape[1]}x{input_shape[2]}; use model.name=twonn for small images."
         )
-    return info.build(input_shape, num_classes)
+    model = info.build(input_shape, num_classes)
+    # what the model was built for, so a method that builds companion networks (a gate, a router,
+    # modules) can size them without the data
+    model.input_shape, model.num_classes = tuple(input_shape), num_classes
+    return model
