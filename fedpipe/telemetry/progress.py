@@ -13,11 +13,24 @@ from fedpipe.telemetry.events import PhaseEvent, RoundEvent
 log = logging.getLogger("fedpipe.progress")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (not the one at setup, which a
+    test runner or a redirect may have closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def log_to_stderr() -> None:
     """fedpipe's messages as plain 'fedpipe: ...' lines on stderr (the CLI, and a pipeline task's log)."""
     logger = logging.getLogger("fedpipe")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("fedpipe: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
