@@ -34,7 +34,6 @@ def log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("fedpipe: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def _fmt(event: RoundEvent) -> dict[str, str]:
