@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedpipe.data import PAD_ID, is_text_shape
 from fedpipe.errors import ConfigError
 
 
@@ -101,6 +102,30 @@ class McMahanCNN(nn.Module):
         return self.head(self.body(self.features(x)))
 
 
+class BiLSTMClassifier(nn.Module):
+    """The AG News network of the federated mixture of experts (Listo Zec et al., Sec. 4): "an embedding
+    layer with a dimension size of 100, a bi-directional LSTM layer with 64 nodes followed by an output
+    layer".
+
+    Input: int64 token ids [N, T], right-padded with PAD_ID (fedpipe.data); input_shape is (T, V). The
+    sequence's representation is the LSTM's last hidden state in each direction over the real tokens
+    (padding skipped by packing, as a masked Keras LSTM does): 2 x 64 = 128 features, then `head`.
+    """
+
+    def __init__(self, input_shape: tuple[int, int], num_classes: int, embedding_dim: int = 100, hidden: int = 64):
+        super().__init__()
+        _, vocab_size = input_shape
+        self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=PAD_ID)
+        self.lstm = nn.LSTM(embedding_dim, hidden, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = (x != PAD_ID).sum(dim=1).clamp_(min=1).cpu()  # an empty text reads one padding token
+        packed = nn.utils.rnn.pack_padded_sequence(self.embedding(x), lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)  # h: [2 directions, N, hidden], in the batch's original order
+        return self.head(torch.cat([h[0], h[1]], dim=1))
+
+
 def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
     with torch.no_grad():
         return int(features(torch.zeros(1, *input_shape)).shape[1])
@@ -109,9 +134,10 @@ def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
-    build: Callable[[tuple[int, int, int], int], nn.Module]
-    min_side: int  # smallest image side the architecture accepts
+    build: Callable[[tuple[int, ...], int], nn.Module]
+    min_side: int  # smallest image side the architecture accepts (text models: 1)
     description: str
+    text: bool = False  # reads token sequences (input_shape (T, V)) instead of images (C, H, W)
 
 
 MODELS: dict[str, ModelInfo] = {
@@ -121,16 +147,34 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("superfed_cnn", SuPerFedCNN, 28, "5-layer CNN of SuPerFed's Table 4"),
         ModelInfo("lenet5", LeNet5, 16, "LeNet-style CNN of pFedMB and the federated mixture of experts"),
         ModelInfo("mcmahan_cnn", McMahanCNN, 16, "bias-free MNIST CNN of McMahan et al. (FedAvg)"),
+        ModelInfo("bilstm", BiLSTMClassifier, 1, "embedding 100, bidirectional LSTM 64: the mixture of experts' AG News network",
+                  text=True),
     )
 }
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Build model `name` for inputs of `input_shape` (C, H, W) and `num_classes` outputs."""
+def auto_model_name(input_shape: tuple[int, ...]) -> str:
+    """What model.name=auto means for inputs of `input_shape`: bilstm for token sequences,
+    superfed_cnn for images of 28 pixels and more, twonn below."""
+    if is_text_shape(input_shape):
+        return "bilstm"
+    return "superfed_cnn" if min(input_shape[1:]) >= 28 else "twonn"
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build model `name` for inputs of `input_shape`, (C, H, W) for images or (T, V) for token
+    sequences, and `num_classes` outputs."""
     if name not in MODELS:
         raise ConfigError(f"model.name={name!r} is not a known model; choose one of {', '.join(MODELS)}.")
     info = MODELS[name]
-    side = min(input_shape[1:])
+    text_models = ", ".join(n for n, i in MODELS.items() if i.text)
+    if info.text != is_text_shape(input_shape):
+        if info.text:
+            raise ConfigError(f"model.name={name!r} reads token sequences, but the dataset holds images of shape "
+                              f"{tuple(input_shape)}; pick an image model ({', '.join(n for n, i in MODELS.items() if not i.text)}).")
+        raise ConfigError(f"model.name={name!r} is an image model, but the dataset holds token sequences (length "
+                          f"{input_shape[0]}, vocabulary {input_shape[1]}); use model.name={text_models}.")
+    side = min(input_shape[1:]) if not info.text else 1
     if side < info.min_side:
         raise ConfigError(
             f"model.name={name!r} needs images at least {info.min_side}x{info.min_side}, but the dataset's "

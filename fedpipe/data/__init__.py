@@ -1,4 +1,14 @@
-"""Datasets (one registry) and partitioners (one registry) for federated simulations."""
+"""Datasets (one registry) and partitioners (one registry) for federated simulations.
+
+The data contract, for every loader and every consumer:
+
+- images: `x` is uint8 NCHW (0..255), and a dataset's input shape is (C, H, W);
+- token sequences (text): `x` is int64 [N, T], token ids below the vocabulary size V, right-padded
+  with PAD_ID = 0 (UNK_ID = 1 stands for words outside the vocabulary); a dataset's input shape is
+  (T, V), the shape of the sequences' one-hot encoding, so a model builder learns both the length
+  and the vocabulary from the shape alone. `is_text_shape` tells the two apart;
+- labels: int64 class indices, one per row of `x`.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +16,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+PAD_ID = 0  # token id of padding (text)
+UNK_ID = 1  # token id of a word outside the vocabulary (text)
+
+
+def is_text_shape(shape: tuple[int, ...]) -> bool:
+    """True for the input shape of token sequences, (T, V); images have (C, H, W)."""
+    return len(shape) == 2
+
 
 @dataclass(frozen=True)
 class LabeledArrays:
-    """Images as uint8 NCHW (0..255) and integer labels (int64), row i of one is row i of the other."""
+    """Inputs and integer labels (int64), row i of one is row i of the other. Inputs are images as
+    uint8 NCHW (0..255), or token ids as int64 [N, T] (see the module docstring)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -28,7 +47,15 @@ class DatasetBundle:
     num_classes: int
     class_names: tuple[str, ...]
     fingerprint: str  # sha256 of the arrays' bytes (train then test), fixes what a partition refers to
+    vocab_size: int | None = None  # token sequences: V, every id is below it; None for images
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
+    def is_text(self) -> bool:
+        return self.vocab_size is not None
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """(C, H, W) for images; (T, V) for token sequences."""
+        if self.is_text:
+            return (int(self.train.x.shape[1]), int(self.vocab_size))
         return tuple(self.train.x.shape[1:])  # type: ignore[return-value]

@@ -1,4 +1,5 @@
-"""Datasets by name: one registry, one loader per family, all returning uint8 NCHW images and int64 labels.
+"""Datasets by name: one registry, one loader per family, all returning uint8 NCHW images (or int64 token
+sequences, for text) and int64 labels (the contract is in fedpipe.data).
 
 `load_dataset(DataConfig(dataset=...))` gives a `DatasetBundle`. Two datasets ship with pip packages and
 work offline (`mnist5k`, `digits`); the others are read from `data.root` (else the folder named by the
@@ -14,12 +15,20 @@ Quirks handled here, so no caller has to know them:
   class and its md5 checks. What a run used is pinned by fedpipe's own sha256 `fingerprint` of the arrays.
 - Tiny ImageNet's val split (the labelled one; its test split has no labels) serves as the official test
   split, read in place from val/val_annotations.txt. Some of its JPEGs are grayscale: all are read as RGB.
+- AG News is read from the standard ag_news_csv files (train.csv, test.csv: class index 1-4, title,
+  description), in a local folder or in MinIO / S3 (data.root = s3://bucket/prefix). The files write
+  apostrophes and quotes as HTML entities without their '&' ("Wall St.#39;s") and line breaks as a
+  backslash; both are undone before tokenizing. The vocabulary is built from the training split only.
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import os
+import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +36,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import field_validator
 
-from fedpipe.data import DatasetBundle, LabeledArrays
-from fedpipe.errors import DataError
+from fedpipe.data import PAD_ID, UNK_ID, DatasetBundle, LabeledArrays, is_text_shape
+from fedpipe.errors import CorruptArtifactError, DataError, StoreError
 from fedpipe.schema import Section
 
 # (train, official test or None, class names), as every loader returns them.
@@ -38,6 +47,11 @@ DIGITS = tuple("0123456789")
 TINY_IMAGENET_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
 TINY_IMAGENET_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
 
+AGNEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")  # class index 1..4 in the CSV files
+AGNEWS_FOLDER = "ag_news_csv"  # the folder name of the standard distribution
+AGNEWS_MAX_LENGTH = 64  # tokens per text (title, then description); longer texts are cut, shorter padded
+AGNEWS_VOCAB_SIZE = 20_000  # token ids, padding and unknown included: the 19,998 most frequent training words
+
 
 @dataclass(frozen=True)
 class DatasetInfo:
@@ -45,10 +59,15 @@ class DatasetInfo:
 
     name: str
     num_classes: int
-    input_shape: tuple[int, int, int]  # (C, H, W)
+    input_shape: tuple[int, ...]  # (C, H, W) for images; (T, V) for token sequences (fedpipe.data)
     has_official_test: bool
     description: str  # one line: what it is, where it comes from, which paper uses it
-    loader: Callable[[Path, bool], Splits] = field(repr=False)  # (root, download) -> Splits
+    loader: Callable[[Path | str, bool], Splits] = field(repr=False)  # (root, download) -> Splits
+    reads_urls: bool = False  # the loader also reads from an s3://bucket/prefix root (MinIO / S3)
+
+    @property
+    def is_text(self) -> bool:
+        return is_text_shape(self.input_shape)
 
 
 class DataConfig(Section):
@@ -57,12 +76,14 @@ class DataConfig(Section):
     dataset: str = "mnist5k"
     """Name of the dataset in the registry (fedpipe.data.datasets.DATASETS): mnist5k and digits ship with
     pip packages and need no files; mnist, fashion_mnist, emnist, cifar10, cifar100 and tinyimagenet are
-    read from `root` or downloaded."""
+    read from `root` or downloaded; agnews (text) is read from `root` (a folder or an s3:// URL)."""
 
-    root: Path | None = None
+    root: Path | str | None = None
     """Folder holding the downloaded datasets in torchvision's layout (e.g. ROOT/MNIST/raw,
-    ROOT/cifar-10-batches-py, ROOT/tiny-imagenet-200). None: the FEDPIPE_DATA environment variable, or
-    ~/.cache/fedpipe/datasets when that is unset."""
+    ROOT/cifar-10-batches-py, ROOT/tiny-imagenet-200) and ROOT/ag_news_csv. For agnews also
+    s3://bucket/prefix: the files are read from MinIO / S3 under prefix/ag_news_csv/, with the endpoint
+    and credentials from the environment, as for run.store. None: the FEDPIPE_DATA environment
+    variable, or ~/.cache/fedpipe/datasets when that is unset."""
 
     download: bool = False
     """Download a missing dataset into `root` through torchvision (needs internet). False: only read
@@ -75,12 +96,29 @@ class DataConfig(Section):
             raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
         return name
 
+    @field_validator("root", mode="before")
+    @classmethod
+    def _folder_or_url(cls, value: object) -> object:
+        # an s3:// URL stays a string (a Path would fold its '//'); everything else is a folder
+        if isinstance(value, str) and not value.startswith("s3://"):
+            return Path(value)
+        return value
 
-def data_root(cfg: DataConfig) -> Path:
-    """The folder datasets are read from: data.root, else $FEDPIPE_DATA, else ~/.cache/fedpipe/datasets."""
+
+def _is_url(root: Path | str) -> bool:
+    return isinstance(root, str) and root.startswith("s3://")
+
+
+def data_root(cfg: DataConfig) -> Path | str:
+    """Where datasets are read from: data.root (a folder, or an s3:// URL kept as a string), else
+    $FEDPIPE_DATA, else ~/.cache/fedpipe/datasets."""
     if cfg.root is not None:
-        root = cfg.root
+        if _is_url(cfg.root):
+            return cfg.root
+        root = Path(cfg.root)
     elif os.environ.get("FEDPIPE_DATA"):
+        if _is_url(os.environ["FEDPIPE_DATA"]):
+            return os.environ["FEDPIPE_DATA"]
         root = Path(os.environ["FEDPIPE_DATA"])
     else:
         root = Path.home() / ".cache" / "fedpipe" / "datasets"
@@ -88,9 +126,16 @@ def data_root(cfg: DataConfig) -> Path:
 
 
 def load_dataset(cfg: DataConfig) -> DatasetBundle:
-    """Load a dataset by name: uint8 NCHW images, int64 labels, its official test split if it has one."""
+    """Load a dataset by name: uint8 NCHW images (or int64 token ids for text), int64 labels, its
+    official test split if it has one."""
     info = DATASETS[cfg.dataset]
     root = data_root(cfg)
+    if _is_url(root) and not info.reads_urls:
+        readable = ", ".join(n for n, i in DATASETS.items() if i.reads_urls)
+        raise DataError(
+            f"data.root={root} is an S3 URL, but dataset '{info.name}' is read through torchvision from a local "
+            f"folder; only {readable} can be read from MinIO / S3. Set data.root to a local folder."
+        )
     train, test, class_names = info.loader(root, cfg.download)
     for split in (train, test) if test is not None else (train,):
         _check_belongs(info, root, split)
@@ -107,14 +152,25 @@ def load_dataset(cfg: DataConfig) -> DatasetBundle:
         num_classes=info.num_classes,
         class_names=class_names,
         fingerprint=fingerprint(train, test),
+        vocab_size=info.input_shape[1] if info.is_text else None,
     )
 
 
-def _check_belongs(info: DatasetInfo, root: Path, split: LabeledArrays) -> None:
+def _check_belongs(info: DatasetInfo, root: Path | str, split: LabeledArrays) -> None:
     """Files of another dataset (EMNIST letters, a resized copy) must not pass silently."""
     labels = f"labels {split.y.min()}..{split.y.max()}" if len(split) else "no labels"
-    shape_ok = split.x.shape[1:] == info.input_shape
     labels_ok = len(split) == 0 or (split.y.min() >= 0 and split.y.max() < info.num_classes)
+    if info.is_text:  # the loader itself builds the sequences: a mismatch is a bug, not a user's file
+        length, vocab = info.input_shape
+        ids_ok = split.x.dtype == np.int64 and (split.x.size == 0 or (split.x.min() >= 0 and split.x.max() < vocab))
+        if not (split.x.shape[1:] == (length,) and ids_ok and labels_ok):
+            raise DataError(
+                f"Dataset '{info.name}' under {root} gave token sequences of shape {split.x.shape[1:]} ({split.x.dtype}) "
+                f"with {labels}, but {info.name} has sequences of {length} int64 ids below {vocab} and labels "
+                f"0..{info.num_classes - 1}. Check that the files are the standard ones."
+            )
+        return
+    shape_ok = split.x.shape[1:] == info.input_shape
     if not (shape_ok and labels_ok):
         raise DataError(
             f"Dataset '{info.name}' under {root} holds images of shape {split.x.shape[1:]} with {labels}, but "
@@ -324,6 +380,131 @@ def _decode_rgb64(paths: list[str], desc: str) -> np.ndarray:
     return x
 
 
+# ---------------------------------------------------------------------------------------------------
+# Text: AG News (the standard ag_news_csv files), a tokenizer and a vocabulary from the training split.
+
+_ENTITY_NUMBER = re.compile(r"&?#(\d+);")  # the files write "&#39;" as "#39;"
+_ENTITY_NAMED = re.compile(r"&?(quot|amp|lt|gt|apos);")
+_ENTITIES = {"quot": '"', "amp": "&", "lt": "<", "gt": ">", "apos": "'"}
+_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-cased words and numbers (an apostrophe suffix stays: "street's"); punctuation is dropped.
+
+    The AG News files' escapes are undone first: a backslash stands for a line break, and HTML
+    entities lost their '&' ("#39;", "quot;")."""
+    text = text.replace("\\", " ")
+    text = _ENTITY_NUMBER.sub(lambda m: chr(int(m.group(1))) if int(m.group(1)) < 0x110000 else " ", text)
+    text = _ENTITY_NAMED.sub(lambda m: _ENTITIES[m.group(1)], text)
+    return _WORD.findall(text.lower())
+
+
+def build_vocabulary(texts: list[list[str]], vocab_size: int) -> dict[str, int]:
+    """word -> token id for the vocab_size - 2 most frequent words of `texts` (ties: alphabetical), ids
+    from 2 up; PAD_ID (0) and UNK_ID (1) are reserved. Built from the training split only, so nothing
+    of the test data shapes the inputs."""
+    counts = Counter(word for words in texts for word in words)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - 2]
+    return {word: i + 2 for i, (word, _) in enumerate(ranked)}
+
+
+def encode(texts: list[list[str]], vocabulary: dict[str, int], length: int) -> np.ndarray:
+    """int64 [N, length]: each text's first `length` token ids, right-padded with PAD_ID; words
+    outside the vocabulary become UNK_ID."""
+    out = np.full((len(texts), length), PAD_ID, dtype=np.int64)
+    for i, words in enumerate(texts):
+        ids = [vocabulary.get(w, UNK_ID) for w in words[:length]]
+        out[i, : len(ids)] = ids
+    return out
+
+
+def _read_agnews_csv(data: bytes, where: str) -> tuple[list[list[str]], np.ndarray]:
+    """(tokenized title + description per row, labels 0..3) of one AG News CSV file (no header)."""
+    texts, labels = [], []
+    reader = csv.reader(io.StringIO(data.decode("utf-8")))
+    for line, row in enumerate(reader, start=1):
+        if not row:
+            continue
+        if len(row) < 3 or not row[0].strip().isdigit() or not 1 <= int(row[0]) <= len(AGNEWS_CLASSES):
+            raise ValueError(
+                f"{where}, line {line}: expected class index 1-{len(AGNEWS_CLASSES)}, title, description; "
+                f"got {row[:3]!r}"
+            )
+        labels.append(int(row[0]) - 1)
+        texts.append(tokenize(" ".join(row[1:])))
+    if not labels:
+        raise ValueError(f"{where} holds no rows")
+    return texts, np.asarray(labels, dtype=np.int64)
+
+
+def _agnews_files(root: Path | str, download: bool) -> tuple[bytes, bytes]:
+    """The bytes of train.csv and test.csv, from ROOT/ag_news_csv or s3://bucket/prefix/ag_news_csv."""
+    files = ["train.csv", "test.csv"]
+    layout = "the standard ag_news_csv layout (CSV rows: class index 1-4, title, description; no header)"
+    if not _is_url(root):
+        folder = Path(root) / AGNEWS_FOLDER
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise DataError(
+                f"Could not load dataset 'agnews': looked for {', '.join(files)} in {folder}, but "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. fedpipe does not download AG "
+                f"News{' (data.download=true has no effect here)' if download else ''}: place the files there in "
+                f"{layout}, or point data.root at an s3://bucket/prefix that holds {AGNEWS_FOLDER}/. (The folder lies "
+                f"under the data root, now {root}: data.root if set, else $FEDPIPE_DATA, else ~/.cache/fedpipe/datasets.)"
+            )
+        return (folder / files[0]).read_bytes(), (folder / files[1]).read_bytes()
+    from fedpipe.store import open_store
+
+    store = open_store(root)
+    out = []
+    for f in files:
+        key = f"{AGNEWS_FOLDER}/{f}"
+        try:
+            out.append(store.get(key))
+        except CorruptArtifactError as exc:
+            raise DataError(
+                f"Could not load dataset 'agnews' from {store.url(key)}: {exc} Upload the files with "
+                f"fedpipe.data.datasets.upload_agnews(folder, {root!r}), which records their sha256."
+            ) from None
+        except StoreError as exc:
+            raise DataError(
+                f"Could not load dataset 'agnews': {store.url(key)} could not be read ({exc}). Place "
+                f"{', '.join(files)} under {root}/{AGNEWS_FOLDER}/ in {layout}, e.g. with "
+                f"fedpipe.data.datasets.upload_agnews(folder, {root!r})."
+            ) from None
+    return out[0], out[1]
+
+
+def upload_agnews(folder: str | Path, url: str) -> list[str]:
+    """Copy train.csv and test.csv from a local ag_news_csv `folder` to `url` (s3://bucket/prefix, or a
+    folder) under ag_news_csv/, through fedpipe's store (which records each file's sha256, checked on
+    every read). Returns the URLs written."""
+    from fedpipe.store import open_store
+
+    store = open_store(url)
+    written = []
+    for f in ("train.csv", "test.csv"):
+        key = f"{AGNEWS_FOLDER}/{f}"
+        store.put(key, (Path(folder).expanduser() / f).read_bytes())
+        written.append(store.url(key))
+    return written
+
+
+def _load_agnews(root: Path | str, download: bool) -> Splits:
+    train_bytes, test_bytes = _agnews_files(root, download)
+    where = f"{root}/{AGNEWS_FOLDER}"
+    try:
+        train_texts, train_y = _read_agnews_csv(train_bytes, f"{where}/train.csv")
+        test_texts, test_y = _read_agnews_csv(test_bytes, f"{where}/test.csv")
+    except (ValueError, UnicodeDecodeError, csv.Error) as exc:
+        raise DataError(f"Could not load dataset 'agnews': reading the CSV files failed ({_reason(exc)}).") from exc
+    vocabulary = build_vocabulary(train_texts, AGNEWS_VOCAB_SIZE)  # the training split only
+    train = LabeledArrays(encode(train_texts, vocabulary, AGNEWS_MAX_LENGTH), train_y)
+    test = LabeledArrays(encode(test_texts, vocabulary, AGNEWS_MAX_LENGTH), test_y)
+    return train, test, AGNEWS_CLASSES
+
+
 # Fields in order: name, num_classes, input_shape, has_official_test, description, loader.
 DATASETS: dict[str, DatasetInfo] = {
     info.name: info
@@ -375,6 +556,13 @@ DATASETS: dict[str, DatasetInfo] = {
             "Tiny ImageNet (Le & Yang 2015, Stanford CS231n), 200 classes of 64x64 RGB, 100k train / 10k val "
             "as test; used by SuPerFed (Hahn et al.).",
             _load_tinyimagenet,
+        ),
+        DatasetInfo(
+            "agnews", 4, (AGNEWS_MAX_LENGTH, AGNEWS_VOCAB_SIZE), True,
+            "AG News topic classification (Zhang et al. 2015, from Gulli's corpus), 120k train / 7.6k test news "
+            "texts in 4 classes, as token sequences; used by the federated mixture of experts (Listo Zec et al.).",
+            _load_agnews,
+            reads_urls=True,
         ),
     ]
 }
