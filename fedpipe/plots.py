@@ -176,3 +176,179 @@ def candidate_curve(result, path: str | Path, title: str | None = None) -> Path:
     ax.legend(lines[0] + bars[0], lines[1] + bars[1], loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     fig.suptitle(title or f"{label} curve", fontsize=11)
     return _save(fig, path)
+
+
+def _alpha_matrix(row: dict, clients: list[str], branches: int, layer: int | None) -> np.ndarray:
+    """clients x branches alpha of one round line (NaN for a client with no alpha yet); per-layer
+    alpha is averaged over layers (layer None) or taken at row `layer`."""
+    out = np.full((len(clients), branches), np.nan)
+    for i, cid in enumerate(clients):
+        alpha = row["details"]["alpha"].get(cid)
+        if alpha is not None:
+            a = np.asarray(alpha, dtype=float)
+            out[i] = a.mean(axis=0) if layer is None else a[layer]
+    return out
+
+
+def alpha_heatmap(rounds: list[dict], path: str | Path, layer: int | str | None = None, max_panels: int = 8,
+                  title: str | None = None) -> Path:
+    """pFedMB's branch weights (the paper's Fig. 3): one clients x branches heatmap of alpha per
+    shown round, up to `max_panels` rounds evenly spaced from the first to the last.
+
+    `rounds` are round lines whose `details` hold {"alpha": {client: [[alpha_b] per alpha row]},
+    "alpha_rows": [row labels]}. With one alpha per layer the cells show the mean over layers
+    (`layer` None; still on the simplex) or one layer (`layer`: its index or module name). A client
+    not yet sampled has no alpha (grey)."""
+    labels = rounds[-1]["details"].get("alpha_rows", [])
+    if isinstance(layer, str):
+        layer = labels.index(layer)
+    clients = sorted({c for r in rounds for c in r["details"]["alpha"]}, key=int)
+    branches = len(next(iter(rounds[-1]["details"]["alpha"].values()))[0])
+    shown = sorted({int(i) for i in np.linspace(0, len(rounds) - 1, min(max_panels, len(rounds))).round()})
+    k, c = len(clients), branches
+    fig = Figure(figsize=(float(np.clip(1.2 + 0.35 * c * len(shown) + 0.3 * len(shown), 5.0, 20.0)),
+                          float(np.clip(1.8 + 0.26 * k, 3.0, 16.0))), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = np.atleast_1d(fig.subplots(1, len(shown), sharey=True))
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"].with_extremes(bad="lightgrey")  # grey: a client with no alpha yet
+    image = None
+    for ax, i in zip(axes, shown):
+        m = _alpha_matrix(rounds[i], clients, branches, layer)
+        image = ax.imshow(np.ma.masked_invalid(m), aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=1)
+        ax.set_title(f"round {rounds[i]['round']}", fontsize=9)
+        ax.set_xticks(np.arange(c))
+        ax.set_xticklabels([str(b + 1) for b in range(c)], fontsize=7)
+        ax.set_xlabel("branch", fontsize=8)
+        if k * c <= 120 and c <= 10:
+            for (r, b), v in np.ndenumerate(m):
+                if np.isfinite(v):
+                    ax.text(b, r, f"{v:.2f}".removeprefix("0"), ha="center", va="center", fontsize=5.5,
+                            color="black" if v > 0.6 else "white")
+    axes[0].set_ylabel("client")
+    if k <= _TICK_EVERY_ROW_MAX:
+        axes[0].set_yticks(np.arange(k))
+        axes[0].set_yticklabels(clients, fontsize=7 if k > 20 else 8)
+    else:
+        axes[0].yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+    fig.colorbar(image, ax=list(axes), label="alpha", fraction=0.04, pad=0.01)
+    which = "shared by all layers" if labels == ["all layers"] else ("mean over layers" if layer is None else f"layer {labels[layer]}")
+    fig.suptitle(title or f"pFedMB branch weights alpha per client ({which})", fontsize=11)
+    return _save(fig, path)
+
+
+def accuracy_vs_branches(results, path: str | Path, title: str | None = None) -> Path:
+    """pFedMB's accuracy against the number of branches B (the paper's Fig. 5): `results` maps B to
+    the personalized accuracies (0..1) of its runs (e.g. one per seed); mean ± std over runs."""
+    bs = sorted(results)
+    acc = [100 * np.asarray(results[b], dtype=float) for b in bs]
+    mean = np.array([a.mean() for a in acc])
+    std = np.array([a.std() for a in acc])
+    fig = Figure(figsize=(6.5, 4.2), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.errorbar(bs, mean, yerr=std, fmt="-o", capsize=3, markersize=4, color="tab:blue",
+                label="mean over clients" + (" (± std over runs)" if max(len(a) for a in acc) > 1 else ""))
+    ax.set_xticks(bs)
+    ax.set_xlabel("number of branches B (B = 1: FedAvg + fine-tuning)")
+    ax.set_ylabel("personalized test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title or "pFedMB: accuracy vs number of branches", fontsize=11)
+    return _save(fig, path)
+
+
+def architecture_clusters(rounds: list[dict], path: str | Path, max_colors: int = 12, title: str | None = None) -> Path:
+    """FedMN's implicit clusters: which clients share an architecture, round by round.
+
+    `rounds` are round lines whose `details` hold {"architecture": {client: decision bits},
+    "clusters": [{"architecture", "clients", "units"}]}. Top: how many distinct architectures the
+    clients hold (the clusters) and the size of the largest. Bottom: clients x rounds, a cell coloured
+    by the client's architecture, one colour per architecture in every round (the `max_colors` - 1
+    most frequent get their own, the rest share grey-brown "other"); light grey: no decision yet. The
+    legend names each coloured architecture by its decision bits and the units it uses."""
+    from collections import Counter
+
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    clients = sorted({c for r in rounds for c in r["details"]["architecture"]}, key=int)
+    ranked = [a for a, _ in Counter(a for r in rounds for a in r["details"]["architecture"].values()).most_common()]
+    own = ranked[: max_colors - 1] if len(ranked) > max_colors else ranked
+    index = {a: i for i, a in enumerate(own)}
+    other = len(own)
+    units = {c["architecture"]: c["units"] for r in rounds for c in r["details"].get("clusters", [])}
+    grid = np.full((len(clients), len(rounds)), np.nan)
+    for t, r in enumerate(rounds):
+        for i, cid in enumerate(clients):
+            a = r["details"]["architecture"].get(cid)
+            if a is not None:
+                grid[i, t] = index.get(a, other)
+    palette = [colormaps["tab20"](i % 20) for i in range(len(own))] + ([(0.55, 0.45, 0.35, 1.0)] if len(ranked) > len(own) else [])
+    cmap = ListedColormap(palette).with_extremes(bad="lightgrey")
+    xs = [r["round"] for r in rounds]
+    k = len(clients)
+    fig = Figure(figsize=(float(np.clip(4.5 + 0.18 * len(rounds), 7.0, 16.0)), float(np.clip(3.2 + 0.22 * k, 4.5, 16.0))),
+                 dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[1, 3])
+    distinct = [len(set(r["details"]["architecture"].values())) for r in rounds]
+    largest = [max(Counter(r["details"]["architecture"].values()).values()) for r in rounds]
+    top.plot(xs, distinct, "-o", markersize=3, label="distinct architectures (clusters)")
+    top.plot(xs, largest, "-s", markersize=3, label="clients in the largest cluster")
+    top.set_ylim(0, max(k, max(distinct)) + 0.5)
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top.grid(alpha=0.3)
+    top.legend(loc="upper right", fontsize=7)
+    ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap, vmin=-0.5, vmax=len(palette) - 0.5,
+              extent=(xs[0] - 0.5, xs[-1] + 0.5, k - 0.5, -0.5))
+    ax.set_xlabel("round")
+    ax.set_ylabel("client")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if k <= _TICK_EVERY_ROW_MAX:
+        ax.set_yticks(np.arange(k))
+        ax.set_yticklabels(clients, fontsize=7 if k > 20 else 8)
+    handles = [Patch(color=palette[i], label=f"{a}  ({' '.join(units.get(a, []))})") for i, a in enumerate(own)]
+    if len(ranked) > len(own):
+        handles.append(Patch(color=palette[-1], label=f"{len(ranked) - len(own)} other architectures"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, title="architecture (units used)",
+              title_fontsize=7, frameon=False)
+    fig.suptitle(title or "FedMN: clients sharing an architecture (implicit clusters), per round", fontsize=11)
+    return _save(fig, path)
+
+
+_MIXTURE_METHODS = {"fedavg": ("FedAvg", "tab:blue", "o"), "local": ("Local", "tab:gray", "s"),
+                    "finetuned": ("Fine-tuned", "tab:orange", "^"), "mixture": ("Mixture", "tab:green", "D")}
+
+
+def global_vs_local_accuracy(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
+    """The federated mixture of experts' Fig. 3 (Listo Zec et al.): accuracy on the balanced global test
+    set (x) against accuracy on the clients' own skewed test sets (y), one colour per method, one point
+    per majority-class fraction p (written beside it), joined in order of p; one panel per opt-out
+    fraction q. `rows`: dicts with method (fedavg, local, finetuned, mixture, or any other name), p, q,
+    global and local (0..1, e.g. means over seeds)."""
+    qs = sorted({r["q"] for r in rows})
+    methods = [m for m in _MIXTURE_METHODS if any(r["method"] == m for r in rows)]
+    methods += sorted({r["method"] for r in rows} - set(methods))
+    fig = Figure(figsize=(4.6 * len(qs) + 0.8, 4.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(qs), sharex=True, sharey=True, squeeze=False)[0]
+    for ax, q in zip(axes, qs):
+        for i, method in enumerate(methods):
+            label, color, marker = _MIXTURE_METHODS.get(method, (method, f"C{4 + i}", "v"))
+            pts = sorted((r["p"], 100 * r["global"], 100 * r["local"]) for r in rows if r["method"] == method and r["q"] == q)
+            if not pts:
+                continue
+            ps, xs, ys = zip(*pts)
+            ax.plot(xs, ys, "-", color=color, alpha=0.35, linewidth=1)
+            ax.scatter(xs, ys, color=color, marker=marker, s=28, label=label, zorder=3)
+            for p, x, y in pts:
+                ax.annotate(f"{p:g}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+        ax.set_title(f"opt-out fraction q = {q:g}", fontsize=10)
+        ax.set_xlabel("global (balanced) test accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("local (client's own) test accuracy (%)")
+    axes[-1].legend(loc="lower right", fontsize=8, title="numbers: majority fraction p", title_fontsize=7)
+    fig.suptitle(title or "Global vs local test accuracy per method and majority-class fraction p", fontsize=11)
+    return _save(fig, path)

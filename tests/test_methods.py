@@ -7,6 +7,9 @@ from runs import small_run
 
 from fedpipe.algorithms import ALGORITHMS
 
+# methods whose clients send exactly their whole model every round (the others are pinned in their own tests)
+WHOLE_MODEL_UPLOADS = {"fedavg", "fedprox", "fedavg_ft", "fedprox_ft", "superfed_mm", "superfed_lm", "ditto", "pfedme"}
+
 
 @pytest.mark.parametrize("method", list(ALGORITHMS))
 def test_method_runs_end_to_end_and_reports(tmp_path, method):
@@ -21,13 +24,14 @@ def test_method_runs_end_to_end_and_reports(tmp_path, method):
     rounds = [json.loads(line) for ph in run.phases() for line in (report / f"rounds-{ph.name}.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
     uploaded = sum(r["bytes_uploaded"] for r in rounds)
+    glob = summary["global_model"]
+    assert glob is None or 0 <= glob["top1"] <= 1
     if method == "local":
-        assert summary["global_model"] is None and uploaded == 0
-    else:
-        assert 0 <= summary["global_model"]["top1"] <= 1
+        assert glob is None and uploaded == 0
+    if method in WHOLE_MODEL_UPLOADS:
         # every round every client sends the whole MLP once (784*200 + 200 + 200*200 + 200 + 200*10 + 10 floats)
         params = 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10
-        assert uploaded == 2 * 4 * params * 4
+        assert uploaded == 2 * 4 * params * 4 and glob is not None
     if method.startswith("superfed"):
         assert (report / "lam_curve.png").stat().st_size > 0
         assert "test_oracle_mean" in p and 0 <= p["chosen_lam"]["median"] <= 1
