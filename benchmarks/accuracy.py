@@ -9,6 +9,10 @@ single-threaded processes use the cores better than one two-threaded one). The t
 mean ± std over seeds of the personalized accuracy (each client's model on its own test split,
 mean over clients; SuPerFed's lam chosen on validation) and of the global model's top-1 on the
 global test set.
+
+Every finished run is appended to OUT/runs.jsonl at once, so an interrupted benchmark keeps what it
+did: started again with the same settings it skips the runs already there (--fresh starts over),
+which also lets a long comparison be done in pieces (--methods a b, then --methods c d, same --out).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def one_run(method: str, split: str, seed: int, common: list[str], store: str) -
         "personalized": summary["personalized_accuracy"]["mean"],
         "global_top1": None if g is None else g["top1"],
         "seconds": time.perf_counter() - t0,
+        "settings": common,
     }
 
 
@@ -57,15 +62,25 @@ def fmt(values: list[float | None]) -> str:
 
 
 def table(rows: list[dict], methods: list[str], splits: list[str]) -> str:
-    head = "| method | " + " | ".join(f"{s}: personalized | {s}: global top-1" for s in splits) + " |"
-    lines = [head, "|" + " --- |" * (1 + 2 * len(splits))]
+    head = "| method | " + " | ".join(f"{s}: personalized | {s}: global top-1" for s in splits) + " | seconds per run |"
+    lines = [head, "|" + " --- |" * (2 + 2 * len(splits))]
     for m in methods:
         cells = []
         for s in splits:
             sel = [r for r in rows if r["method"] == m and r["split"] == s]
             cells += [fmt([r["personalized"] for r in sel]), fmt([r["global_top1"] for r in sel])]
+        secs = [r["seconds"] for r in rows if r["method"] == m]
+        cells.append(f"{np.mean(secs):.0f}" if secs else "n/a")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def finished_runs(path: Path, common: list[str]) -> dict[tuple[str, str, int], dict]:
+    """The runs already in OUT/runs.jsonl that were made with these settings."""
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {(r["method"], r["split"], r["seed"]): r for r in rows if r.get("settings") == common}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,33 +91,54 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS), help="data splits")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (partition, init, sampling)")
     ap.add_argument("--clients", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--local-epochs", type=int, default=2)
-    ap.add_argument("--model", default="superfed_cnn")
+    ap.add_argument("--model", default="lenet5", help="lenet5: the CNN of pFedMB and the mixture of experts (cheap on a CPU)")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run (repeatable)")
     ap.add_argument("--workers", type=int, default=2, help="parallel processes (one thread each)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for results.json and table.md")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for runs.jsonl, accuracy.json and accuracy.md")
+    ap.add_argument("--fresh", action="store_true", help="ignore the runs already in OUT/runs.jsonl")
     args = ap.parse_args(argv)
 
     common = [
         "data.dataset=mnist5k", f"partition.num_clients={args.clients}", f"model.name={args.model}",
         f"train.rounds={args.rounds}", f"train.local_epochs={args.local_epochs}", "eval.every=0", *args.set,
     ]
+    unknown = sorted(set(args.methods) - set(ALGORITHMS))
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "runs.jsonl"
+    done = {} if args.fresh else finished_runs(log, common)
+    if args.fresh:
+        log.unlink(missing_ok=True)
     jobs = [(m, s, seed) for s in args.splits for m in args.methods for seed in args.seeds]
-    rows = []
+    rows = [done[j] for j in jobs if j in done]
+    todo = [j for j in jobs if j not in done]
+    if rows:
+        print(f"reusing {len(rows)} finished run(s) from {log} (--fresh to redo them)", file=sys.stderr)
     with tempfile.TemporaryDirectory() as store, ProcessPoolExecutor(args.workers) as pool:
-        futures = [pool.submit(one_run, m, s, seed, common, store) for m, s, seed in jobs]
+        futures = {pool.submit(one_run, m, s, seed, common, store): (m, s, seed) for m, s, seed in todo}
+        failed = []
         for fut in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run", file=sys.stderr):
-            rows.append(fut.result())
+            try:
+                row = fut.result()
+            except Exception as exc:  # one broken run must not throw away the others
+                failed.append(f"{futures[fut]}: {type(exc).__name__}: {exc}")
+                continue
+            rows.append(row)
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
     text = (
         f"mnist5k, {args.clients} clients, model {args.model}, {args.rounds} rounds x {args.local_epochs} local epochs, "
         f"seeds {args.seeds}; accuracy in % (mean ± std over seeds)\n\n" + table(rows, args.methods, args.splits)
     )
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "accuracy.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": rows}, indent=2))
     (args.out / "accuracy.md").write_text(text + "\n")
     print(f"\nwrote {args.out / 'accuracy.md'} and {args.out / 'accuracy.json'}", file=sys.stderr)
+    if failed:
+        sys.exit("these runs failed (method, split, seed), the table leaves them out:\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":
