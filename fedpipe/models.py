@@ -185,3 +185,17 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     # modules) can size them without the data
     model.input_shape, model.num_classes = tuple(input_shape), num_classes
     return model
+
+
+def lies_under(name: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+    """A parameter or module name lies under a prefix when it is the prefix or starts with `prefix.`."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def names_under(names: list[str], prefixes: tuple[str, ...] | list[str], option: str) -> list[str]:
+    """The names that lie under one of the prefixes of config option `option` (e.g.
+    "method.personal_layers"); a prefix that matches no name is a config error that lists them."""
+    unmatched = [p for p in prefixes if not any(lies_under(n, [p]) for n in names)]
+    if unmatched:
+        raise ConfigError(f"{option}: {', '.join(map(repr, unmatched))} match no layer of the model; its layers are: {', '.join(names)}.")
+    return [n for n in names if lies_under(n, prefixes)]

@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedpipe.engine.seeding import derive_seed
+from fedpipe.models import names_under
 
 Params = dict[str, torch.Tensor]
 BRANCHABLE = (nn.Conv2d, nn.Linear)  # the paper's "linear layers": convolutional and fully connected
@@ -104,13 +105,9 @@ class BranchLayout:
         for name, module in model.named_modules():
             if not isinstance(module, BRANCHABLE):
                 continue
-            if branched == "all" or any(name == p or name.startswith(p + ".") for p in branched):
-                layers.append(name)
+            layers.append(name)
         if branched != "all":
-            unmatched = [p for p in branched if not any(n == p or n.startswith(p + ".") for n in layers)]
-            if unmatched:
-                names = [n for n, m in model.named_modules() if isinstance(m, BRANCHABLE)]
-                raise ValueError(f"branched layer prefix(es) {unmatched} match no Conv2d/Linear layer; the model's are {names}")
+            layers = names_under(layers, branched, "method.branched_layers (prefixes of Conv2d / Linear layers)")
         if not layers:
             raise ValueError("no layer to branch: the model has no Conv2d or Linear layer")
         tensors = {name: tuple(f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters(recurse=False)) for name in layers}

@@ -247,7 +247,7 @@ def test_fedper_uploads_and_downloads_only_the_base_layers():
     personal = algo.personalized_candidates(server, own_head, 0)[0][1]
     assert personal["head.weight"] is own_head["head.weight"] and personal["body.weight"] is server.global_params["body.weight"]
     assert algo.global_model(server) is None
-    with pytest.raises(ConfigError, match="match no parameter"):
+    with pytest.raises(ConfigError, match="match no layer"):
         FedPer(FedPerParams(personal_layers=["classifier"]), model, seed=0)
 
 

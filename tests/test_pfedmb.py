@@ -19,6 +19,7 @@ from fedpipe.data.datasets import load_dataset
 from fedpipe.data.partition import make_partition
 from fedpipe.engine.data import ClientData, Split
 from fedpipe.engine.local import train_client
+from fedpipe.errors import ConfigError
 from fedpipe.models import LeNet5, TwoNN
 from fedpipe.multibranch import BranchLayout, MultiBranchConv2d, MultiBranchLinear, project_onto_simplex
 
@@ -77,7 +78,7 @@ def test_branches_differ_are_seeded_and_start_from_the_base_model(init):
             assert torch.equal(a[n][0], base[n]) and start[n].std() < 0.75 * base[n].std()
     one = BranchLayout.of(model, 1).branch(model, base, seed=3, init=init)
     assert all(torch.equal(one[n][0], base[n]) for n in base)  # B = 1: the base model exactly
-    with pytest.raises(ValueError, match="match no Conv2d/Linear"):
+    with pytest.raises(ConfigError, match="match no layer"):
         BranchLayout.of(model, 2, ("nope",))
 
 

@@ -34,6 +34,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
 )
 from fedpipe.errors import ConfigError
+from fedpipe.models import names_under
 
 
 class FedPerParams(MethodParams):
@@ -46,10 +47,6 @@ class FedPerParams(MethodParams):
     `twonn` would also keep the second hidden layer. []: nothing is personal, which is FedAvg."""
 
 
-def is_personal(name: str, prefixes: list[str] | tuple[str, ...]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
 class FedPer(Algorithm):
     name = "fedper"
     Params = FedPerParams
@@ -59,13 +56,7 @@ class FedPer(Algorithm):
     def __init__(self, params, model, seed):
         super().__init__(params, model, seed)
         names = [n for n, _ in model.named_parameters()]
-        unmatched = [p for p in self.params.personal_layers if not any(is_personal(n, [p]) for n in names)]
-        if unmatched:
-            raise ConfigError(
-                f"method.personal_layers: {', '.join(map(repr, unmatched))} match no parameter of the model; "
-                f"its parameters are: {', '.join(names)}."
-            )
-        self.personal = [n for n in names if is_personal(n, self.params.personal_layers)]
+        self.personal = names_under(names, self.params.personal_layers, "method.personal_layers")
         if len(self.personal) == len(names):
             raise ConfigError("method.personal_layers covers every parameter: nothing would be federated. Keep some base layers.")
         # the initial model's personalization layers: where every client's own layers start

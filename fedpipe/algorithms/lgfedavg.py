@@ -41,11 +41,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
 )
 from fedpipe.errors import ConfigError
-
-
-def matches(name: str, prefixes: list[str] | tuple[str, ...]) -> bool:
-    """A parameter name matches a prefix when it is the prefix or starts with `prefix.`."""
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+from fedpipe.models import names_under
 
 
 class LGFedAvgParams(MethodParams):
@@ -67,13 +63,7 @@ class LGFedAvg(Algorithm):
     def __init__(self, params, model, seed):
         super().__init__(params, model, seed)
         names = [n for n, _ in model.named_parameters()]
-        unmatched = [p for p in self.params.global_layers if not any(matches(n, [p]) for n in names)]
-        if unmatched:
-            raise ConfigError(
-                f"method.global_layers: {', '.join(map(repr, unmatched))} match no parameter of the model; "
-                f"its parameters are: {', '.join(names)}."
-            )
-        self.global_names = [n for n in names if matches(n, self.params.global_layers)]
+        self.global_names = names_under(names, self.params.global_layers, "method.global_layers")
         if not self.global_names or len(self.global_names) == len(names):
             raise ConfigError("method.global_layers must name some but not all layers: LG-FedAvg needs both local "
                               "representation layers and global layers.")
