@@ -272,9 +272,11 @@ def test_unknown_dataset_lists_the_allowed_names():
 
 def test_registry_and_config_document_themselves():
     assert list(DATASETS) == [
-        "mnist5k", "digits", "mnist", "fashion_mnist", "emnist", "cifar10", "cifar100", "tinyimagenet"
+        "mnist5k", "digits", "mnist", "fashion_mnist", "emnist", "cifar10", "cifar100", "tinyimagenet", "agnews"
     ]
     for key, info in DATASETS.items():
-        assert info.name == key and "\n" not in info.description and len(info.input_shape) == 3
+        assert info.name == key and "\n" not in info.description
+        assert len(info.input_shape) == (2 if key == "agnews" else 3)  # text: (T, V); images: (C, H, W)
     assert DATASETS["emnist"].num_classes == 62 and DATASETS["tinyimagenet"].input_shape == (3, 64, 64)
+    assert DATASETS["agnews"].num_classes == 4
     assert all(field.description for field in DataConfig.model_fields.values())
