@@ -121,6 +121,17 @@ def _stop(server: Server) -> None:
             server.proc.wait(timeout=5)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_thread_count():
+    """A run with `run.threads` sets torch's thread count for the whole process; put it back so it
+    does not leak into later tests (float sums, hence bitwise comparisons, depend on it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def port_factory():
     """A function returning a free loopback TCP port (nothing listens there)."""

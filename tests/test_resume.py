@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 from runs import SMALL, assert_same_params, small_run
 
 OVERRIDES = ["method.name=superfed_mm", "train.rounds=6", "method.start_fraction=0.5"]
@@ -28,7 +29,7 @@ def wait_for(path, proc, timeout=120):
 @pytest.mark.slow
 def test_killed_phase_resumes_to_the_same_weights(tmp_path):
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    env = dict(os.environ)  # same thread count as this process: float sums depend on it
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))  # this process's thread count: float sums depend on it
     run = small_run(killed, *OVERRIDES)
     run.partition()
     for phase in ("federation", "personalization"):
