@@ -39,3 +39,21 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+class CrashAfterRound:
+    """A telemetry sink that stops the process's phase right after round `n` is checkpointed: when
+    round n + 1 is reported, which happens before that round's checkpoint is written."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def phase_started(self, event): ...
+
+    def phase_finished(self, event): ...
+
+    def close(self): ...
+
+    def round_finished(self, event):
+        if event.round == self.n + 1:
+            raise SystemExit("simulated crash")

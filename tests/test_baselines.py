@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from runs import assert_same_params, small_run, train_all
+from runs import CrashAfterRound, assert_same_params, small_run, train_all
 from torch import nn
 
 from fedpipe.algorithms.base import ServerState, Upload
@@ -293,23 +293,6 @@ def test_fedamp_without_attention_from_own_models_is_local_training(tmp_path):
         assert_same_params(fedamp.clients[cid], local.clients[cid])
 
 
-class StopAfterRound:
-    """A telemetry sink that ends the phase's process right after round `n` is checkpointed."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def phase_started(self, event): ...
-
-    def phase_finished(self, event): ...
-
-    def close(self): ...
-
-    def round_finished(self, event):
-        if event.round == self.n:
-            raise SystemExit("simulated crash")
-
-
 def test_fedfomo_server_state_resumes_to_the_same_models(tmp_path):
     # the model pool, the affinities and the seeded epsilon-greedy downloads all come back from the checkpoint
     overrides = ("method.name=fedfomo", "train.rounds=3", "method.models_per_round=2")
@@ -319,7 +302,7 @@ def test_fedfomo_server_state_resumes_to_the_same_models(tmp_path):
         mp.setattr(Run, "_put_plot", lambda self, name, draw: None)
         run.partition()
     with pytest.raises(SystemExit):
-        run.train("federation", telemetry_sinks=[StopAfterRound(2)])
+        run.train("federation", telemetry_sinks=[CrashAfterRound(2)])
     resumed = train_all(run)
     assert_same_params(resumed.server.global_params, expected.server.global_params)
     assert resumed.server.per_client.keys() == expected.server.per_client.keys()

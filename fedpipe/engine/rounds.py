@@ -135,7 +135,8 @@ def run_phase(
                 extra[f"chosen_{pers.candidate_label}_mean"] = float(
                     sum(c.candidates[c.chosen] for c in pers.clients) / len(pers.clients)
                 )
-        checkpoints.save_round(state, train.keep_checkpoints)
+        # Report first, checkpoint second: a process killed between the two redoes the round and its
+        # JSONL line is replaced on resume; the other order would lose the line of a checkpointed round.
         telemetry.round_finished(
             RoundEvent(
                 labels=labels, round=round_, phase_round=round_ - phase.first_round + 1, phase_rounds=len(phase.rounds),
@@ -147,6 +148,7 @@ def run_phase(
                 details=algorithm.round_details(state.server, state.clients),
             )
         )
+        checkpoints.save_round(state, train.keep_checkpoints)
     state.phase = phase.name
     checkpoints.save_final(state)
     telemetry.phase_finished(PhaseEvent(labels, len(phase.rounds), phase.first_round, finished=True, seconds=time.perf_counter() - start))

@@ -7,9 +7,12 @@ sha256 lies in the hidden folder beside it, ``<dir>/.sha256/<name>``, in ``sha25
 Write protocol (`put`), so that a visible object always has its hash and is never half-written:
 
 1. the sidecar is written to a temp file in the sidecar folder, fsynced and renamed to
-   ``<dir>/.sha256/<name>``;
+   ``<dir>/.sha256/<name>``; when an object is being replaced, the sidecar lists the new hash and
+   then the old one, so a process killed before step 2 leaves the old object still checking;
 2. the data is written to a temp file in the same folder, fsynced and renamed to ``<key>``;
-3. the folder is fsynced.
+3. a replaced object's sidecar is rewritten with the new hash alone, and the folder is fsynced.
+
+A read accepts the bytes when their sha256 is one the sidecar lists (two only in that window).
 
 If step 2 fails the previous sidecar is put back (or removed when there was no object), and
 temp files are removed. Temp files are named ``.fedpipe-tmp-*``; `list` hides them and sidecars.
@@ -61,6 +64,12 @@ def _write_temp(directory: Path, data: bytes) -> Path:
     return tmp
 
 
+def _hashes(sidecar: bytes) -> list[str]:
+    """The hashes a sidecar lists, first one first (the newest write)."""
+    text = sidecar.decode("ascii", errors="replace")
+    return [line.split()[0].lower() for line in text.splitlines() if line.split()]
+
+
 class LocalStore(Store):
     """Objects as plain files under `root`, each with its sha256 in a hidden ``.sha256/`` sidecar."""
 
@@ -99,13 +108,12 @@ class LocalStore(Store):
             if path.is_dir():
                 raise StoreError(f"Cannot write {path}: a folder of that name is in the way.")
             old_sidecar = sidecar.read_bytes() if sidecar.is_file() else None
-            side_tmp = _write_temp(sidecar.parent, f"{digest}  {path.name}\n".encode())
-            try:
-                os.replace(side_tmp, sidecar)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    side_tmp.unlink()
-                raise
+            entry = f"{digest}  {path.name}\n"
+            # keep the current object's hash listed until the new bytes are in place: a process killed
+            # between the two renames must not leave an intact old object looking corrupt
+            old_digests = _hashes(old_sidecar) if old_sidecar is not None and path.is_file() else []
+            pending = entry + "".join(f"{h}  {path.name}\n" for h in dict.fromkeys(old_digests) if h != digest)
+            self._replace(sidecar, pending.encode())
             data_tmp = None
             try:
                 data_tmp = _write_temp(path.parent, data)
@@ -116,6 +124,8 @@ class LocalStore(Store):
                         data_tmp.unlink()
                 self._restore_sidecar(sidecar, old_sidecar, had_object=path.is_file())
                 raise
+            if pending != entry:
+                self._replace(sidecar, entry.encode())
             _fsync_dir(path.parent)
         except StoreError:
             raise
@@ -125,6 +135,16 @@ class LocalStore(Store):
                 "Check free disk space and permissions on the store folder."
             ) from exc
         return digest
+
+    @staticmethod
+    def _replace(target: Path, data: bytes) -> None:
+        tmp = _write_temp(target.parent, data)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
     @staticmethod
     def _restore_sidecar(sidecar: Path, old: bytes | None, *, had_object: bool) -> None:
@@ -155,7 +175,7 @@ class LocalStore(Store):
             raise StoreError(f"Could not read the artifact {path}: {exc.strerror or exc}.") from exc
         sidecar = self._sidecar(path)
         try:
-            recorded = sidecar.read_text(encoding="ascii", errors="replace").split()
+            recorded = _hashes(sidecar.read_bytes())
         except FileNotFoundError:
             raise CorruptArtifactError(
                 f"The artifact {path} has no recorded sha256 ({sidecar} is missing), so its "
@@ -164,9 +184,9 @@ class LocalStore(Store):
             ) from None
         except OSError as exc:
             raise StoreError(f"Could not read the hash file {sidecar}: {exc.strerror or exc}.") from exc
-        expected = recorded[0].lower() if recorded else ""
+        expected = recorded[0] if recorded else ""
         actual = sha256_hex(data)
-        if actual != expected:
+        if actual not in recorded:
             raise CorruptArtifactError(
                 f"The artifact {path} is corrupt: its sha256 is {actual} ({len(data)} bytes) but "
                 f"{expected or 'nothing readable'} was recorded in {sidecar} when it was "

@@ -8,8 +8,7 @@ import urllib.request
 
 import pytest
 from minio import Minio
-from runs import assert_same_params, small_run
-from test_resume import CrashAfterRound
+from runs import CrashAfterRound, assert_same_params, small_run
 
 pytestmark = pytest.mark.services
 
