@@ -104,12 +104,21 @@ class Checkpoints:
             self.store.delete(key)
 
     def latest_good(self, device: torch.device | str) -> PhaseState | None:
-        """The newest checkpoint that reads back intact; damaged ones are reported and skipped."""
-        for rnd, key in reversed(self.round_keys()):
+        """The newest checkpoint that reads back intact; damaged ones are reported and skipped.
+        None when the phase has no checkpoint; an error when it has some but none is intact (starting
+        the phase over silently would hide the damage)."""
+        keys = self.round_keys()
+        for rnd, key in reversed(keys):
             try:
                 return PhaseState.from_bytes(self.store.get(key), device, where=self.store.url(key))
             except CorruptArtifactError as e:
                 log.warning("Skipping damaged checkpoint of round %d: %s", rnd, e)
+        if keys:
+            names = ", ".join(self.store.url(k) for _, k in keys)
+            raise CorruptArtifactError(
+                f"Every checkpoint of this phase is damaged ({names}); none can be resumed from. Delete "
+                "them to run the phase again from its start, or restore them from a copy."
+            )
         return None
 
     def save_final(self, state: PhaseState) -> None:
