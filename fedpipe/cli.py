@@ -135,6 +135,53 @@ def evaluate(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = No
     _print_summary(Run(_load(config, set, run_id)).evaluate())
 
 
+@app.command()
+@_guarded
+def verify(run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run's id: its folder name in the store (`fedpipe run` prints it in the report path).")],
+           store: Annotated[Optional[str], typer.Option(help="The store holding the run: a folder or s3://bucket/prefix (default: run.store of --config / --set, else runs/).")] = None,
+           config: ConfigOpt = None, set: SetOpt = None,
+           quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only damaged or missing artifacts and the verdict.")] = False):
+    """Check that a finished run's artifacts are intact: exit 0 when all are, 1 when any is missing or changed.
+
+    The evaluate step writes RUN/manifest.json last, listing every artifact of the run (partition
+    manifest, phase states, round metrics, report) with its sha256 and size. `verify` reads each one
+    back from the store (a folder, or MinIO / S3 with FEDPIPE_S3_ENDPOINT and the AWS_* credentials
+    in the environment), recomputes its sha256 and names every file that is missing or whose bytes
+    differ. Examples:
+
+        fedpipe verify fedavg-mnist5k-pathological-s0-1a2b3c4d
+
+        fedpipe verify test --store s3://mlpipeline/fedpipe
+
+    A damaged file cannot be repaired from the manifest: delete it and rerun the step that writes
+    it (`fedpipe run` reuses the intact steps), or restore it from a copy.
+    """
+    from fedpipe.store import open_store
+    from fedpipe.verify import verify_run
+
+    if store is None:
+        store = _load(config, set).run.store
+    s = open_store(store)
+    result = verify_run(s, run_id)
+    total = len(result.intact) + len(result.missing) + len(result.damaged)
+    typer.echo(f"run {run_id}: checking {total} artifacts listed in {result.where}")
+    for key in result.intact if not quiet else []:
+        typer.echo(f"  intact   {s.url(key)}")
+    for key in result.missing:
+        typer.echo(f"  MISSING  {s.url(key)}")
+    for key, why in result.damaged.items():
+        typer.echo(f"  DAMAGED  {s.url(key)}: {why}")
+    for key in result.unlisted:
+        typer.echo(f"  note: {s.url(key)} is not in the manifest (written after the run finished?)")
+    if result.ok:
+        typer.echo(f"run {run_id}: all {total} artifacts intact")
+        return
+    bad = len(result.missing) + len(result.damaged)
+    typer.echo(f"run {run_id}: {bad} of {total} artifacts missing or damaged; rerun the steps that write them "
+               "(fedpipe run reuses intact steps) or restore them from a copy", err=True)
+    raise typer.Exit(1)
+
+
 @app.command("config")
 @_guarded
 def show_config(config: ConfigOpt = None, set: SetOpt = None,

@@ -33,6 +33,7 @@ from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
 from fedpipe.telemetry.jsonl import JsonlSink
 from fedpipe.telemetry.progress import ProgressSink
+from fedpipe.verify import manifest_key, write_run_manifest
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ class RunPaths:
     @property
     def manifest(self) -> str:
         return f"{self.run_id}/partition/manifest.json"
+
+    @property
+    def run_manifest(self) -> str:
+        return manifest_key(self.run_id)
 
     @property
     def report_dir(self) -> str:
@@ -157,7 +162,9 @@ class Run:
         url = self.store.url(self.paths.manifest)
         try:
             partition = Partition.from_manifest(json.loads(self.store.get_text(self.paths.manifest)))
-        except (ValueError, ValidationError) as e:  # json and pydantic errors: the file's content is wrong
+        except ValidationError as e:  # pydantic's first line names only the model: name the fields
+            raise CorruptArtifactError(f"{url} is not a valid partition manifest: {_manifest_errors(e)}. Start the run over with `fedpipe run --fresh`.") from None
+        except ValueError as e:  # not JSON (or not UTF-8): the file's content is wrong
             raise CorruptArtifactError(f"{url} is not a valid partition manifest: {str(e).splitlines()[0]}. Start the run over with `fedpipe run --fresh`.") from None
         partition.check_matches(self.bundle)
         return partition
@@ -210,7 +217,10 @@ class Run:
         state = Checkpoints(self.store, self.paths.run_id, phases[-1].name).load_final(self.device)
         algorithm, _ = self.build_algorithm()
         data = prepare_data(self.bundle, self.load_partition(), self.device)
-        return write_report(self, algorithm, state, data, phases)
+        summary = write_report(self, algorithm, state, data, phases)
+        # last: a run manifest exists only for a finished run (`fedpipe verify` checks against it)
+        write_run_manifest(self.store, self.paths.run_id)
+        return summary
 
     # --- all steps ----------------------------------------------------------------------------------
     def run_all(self) -> dict:
@@ -226,6 +236,18 @@ class Run:
             draw(path)
             self.store.put(self.paths.report(name), path.read_bytes())
         return self.paths.report(name)
+
+
+def _manifest_errors(err: ValidationError, most: int = 3) -> str:
+    """'clients.0.sizes.train: Input should be ... (got -1)' for the first few errors."""
+    parts = []
+    for e in err.errors()[:most]:
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("tagged-union", "function-")))
+        got = repr(e.get("input"))
+        got = got if len(got) <= 40 else got[:37] + "..."
+        parts.append(f"{loc or '(top level)'}: {e['msg']}" + ("" if e["type"] == "missing" else f" (got {got})"))
+    more = err.error_count() - most
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def _config_diff(old: dict, new: dict, prefix: str = "") -> str:

@@ -1,0 +1,108 @@
+"""The run manifest (``<run>/manifest.json``) and `verify_run`, which checks a finished run against it.
+
+The evaluate step writes the manifest last, after the report: every artifact key of the run with
+its sha256 and size at that moment. A store's write is atomic, so a manifest that exists belongs to
+a run that finished. `verify_run` reads every listed artifact back and compares: each one is
+intact, missing, or damaged (its bytes differ from what was written). Files in the run folder that
+the manifest does not list (a later partial rerun, a file copied in by hand) are named but are not
+damage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from fedpipe.errors import CorruptArtifactError, StoreError
+from fedpipe.store.base import Store, sha256_hex
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "fedpipe.run-manifest"
+
+
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}/{MANIFEST_NAME}"
+
+
+def write_run_manifest(store: Store, run_id: str) -> dict:
+    """List every artifact of the run with its sha256 and size and store the list (one atomic put)."""
+    key = manifest_key(run_id)
+    artifacts = {}
+    for k in store.list(f"{run_id}/"):
+        if k == key:
+            continue
+        data = store.get(k)  # checks the hash recorded at write time: never vouch for damaged bytes
+        artifacts[k] = {"sha256": sha256_hex(data), "size": len(data)}
+    manifest = {
+        "format": FORMAT,
+        "run_id": run_id,
+        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "artifacts": artifacts,
+    }
+    store.put_text(key, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+@dataclass
+class Verification:
+    run_id: str
+    where: str  # the manifest's URL
+    intact: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    damaged: dict[str, str] = field(default_factory=dict)  # key -> what differs
+    unlisted: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.damaged
+
+
+def _read_manifest(store: Store, run_id: str) -> dict:
+    key = manifest_key(run_id)
+    url = store.url(key)
+    if not store.exists(key):
+        raise StoreError(
+            f"Run {run_id!r} has no run manifest ({url} is missing): the run has not finished (the evaluate "
+            "step writes it last), the run id or the store is wrong, or the manifest was deleted. Check "
+            "`--store` and the run id, or finish the run with `fedpipe evaluate`."
+        )
+    try:
+        manifest = json.loads(store.get_text(key))
+        artifacts = manifest["artifacts"]
+        if manifest.get("format") != FORMAT or not isinstance(artifacts, dict):
+            raise ValueError("not a fedpipe run manifest")
+        for k, entry in artifacts.items():
+            if not isinstance(k, str) or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("size"), int):
+                raise ValueError(f"bad entry for {k!r}")
+    except CorruptArtifactError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptArtifactError(
+            f"{url} is not a readable run manifest ({e}). Rewrite it by running `fedpipe evaluate` on the run again."
+        ) from None
+    return manifest
+
+
+def verify_run(store: Store, run_id: str) -> Verification:
+    """Re-read every artifact the run manifest lists and compare its sha256 and size."""
+    manifest = _read_manifest(store, run_id)
+    result = Verification(run_id, store.url(manifest_key(run_id)))
+    for key, entry in sorted(manifest["artifacts"].items()):
+        if not store.exists(key):
+            result.missing.append(key)
+            continue
+        try:
+            data = store.get(key)
+        except CorruptArtifactError:
+            # the store's own hash check failed: the bytes changed after they were written
+            result.damaged[key] = "its bytes no longer match the sha256 recorded when it was written"
+            continue
+        digest = sha256_hex(data)
+        if digest != entry["sha256"] or len(data) != entry["size"]:
+            result.damaged[key] = f"sha256 {digest[:16]}... ({len(data)} bytes), the manifest has {entry['sha256'][:16]}... ({entry['size']} bytes)"
+        else:
+            result.intact.append(key)
+    listed = set(manifest["artifacts"]) | {manifest_key(run_id)}
+    result.unlisted = [k for k in store.list(f"{run_id}/") if k not in listed]
+    return result
