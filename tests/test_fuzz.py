@@ -1,0 +1,208 @@
+"""Fuzzing (hypothesis) of the two parsers that read what users and other processes write: the run
+config (YAML text and `--set` overrides, through `load_config`) and the partition manifest
+(`partition/manifest.json`, through `Run.load_partition`). Whatever they are given, they return a
+valid object or raise a FedpipeError (one clear paragraph); any other exception would reach the user
+as a traceback. A validation message names the field it is about."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from runs import small_run
+
+from fedpipe.config import RunConfig, load_config
+from fedpipe.data.partition import make_partition
+from fedpipe.errors import ConfigError, FedpipeError
+from fedpipe.store.base import Store
+
+# Generated cases per test; 4 tests, so 4 x EXAMPLES cases in all (about 20 s on 2 busy cores).
+EXAMPLES = 600
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _section_fields() -> dict[str, list[str]]:
+    """section -> every field name it can hold (a union section: the fields of all its members)."""
+    fields: dict[str, set[str]] = {}
+    for section, info in RunConfig.model_fields.items():
+        members = typing.get_args(info.annotation) or (info.annotation,)
+        names: set[str] = set()
+        stack = list(members)
+        while stack:
+            member = stack.pop()
+            if hasattr(member, "model_fields"):
+                names |= set(member.model_fields)
+            else:
+                stack.extend(typing.get_args(member))
+        fields[section] = sorted(names)
+    return {k: v for k, v in fields.items() if v}
+
+
+FIELDS = _section_fields()
+DOTTED = [f"{section}.{name}" for section, names in FIELDS.items() for name in names]
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20), st.sampled_from(["auto", "sgd", "fedavg", "dirichlet", "mnist5k", "s3://b/p", "1e-3", "-1", "0", ".inf", "~"]),
+)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+keys = st.one_of(st.sampled_from(DOTTED), st.sampled_from(list(FIELDS)), st.text(max_size=15))
+sections = st.dictionaries(st.sampled_from([n for names in FIELDS.values() for n in names]) | st.text(max_size=8), values, max_size=4)
+trees = st.dictionaries(st.sampled_from(list(FIELDS)) | st.text(max_size=8), sections | values, max_size=4)
+
+
+def _yaml_text(tree) -> str:
+    return yaml.safe_dump(tree, allow_unicode=True)
+
+
+CONFIG_FILE = Path(tempfile.mkdtemp(prefix="fedpipe-fuzz-")) / "config.yaml"
+
+
+@FUZZ
+@given(st.one_of(trees.map(_yaml_text), st.text(max_size=200), st.binary(max_size=100).map(lambda b: b.decode("latin-1"))))
+def test_any_yaml_text_gives_a_config_or_a_config_error(text):
+    CONFIG_FILE.write_text(text, encoding="utf-8", errors="surrogateescape")
+    try:
+        load_config(CONFIG_FILE)
+    except ConfigError as e:
+        assert str(e).strip()
+
+
+@FUZZ
+@given(st.lists(st.tuples(keys, st.one_of(values.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip()), st.text(max_size=30))), max_size=4),
+       st.lists(st.text(max_size=30), max_size=2))
+def test_any_overrides_give_a_config_or_a_config_error(assignments, raw):
+    try:
+        load_config(None, [f"{k}={v}" for k, v in assignments] + raw)
+    except ConfigError as e:
+        assert str(e).strip()
+
+
+@FUZZ
+@given(st.sampled_from(DOTTED), values)
+def test_a_bad_value_is_reported_under_its_field_name(field, value):
+    text = yaml.safe_dump(value, default_flow_style=True).strip().replace("\n", " ")
+    try:
+        load_config(None, [f"{field}={text}"])
+    except ConfigError as e:
+        message = str(e)
+        if message.startswith("The configuration is invalid"):
+            section, name = field.split(".")
+            assert section in message, message
+            # a field that does not belong to the chosen method or scheme is reported as unknown, by name
+            assert name in message or "scheme" in message or "method" in message, message
+
+
+# --- the partition manifest ------------------------------------------------------------------------
+
+
+class MemoryStore(Store):
+    """A dict standing in for the store, so thousands of cases need no disk writes."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+
+    def put(self, key, data):
+        self.objects[key] = bytes(data)
+
+    def get(self, key):
+        return self.objects[key]
+
+    def exists(self, key):
+        return key in self.objects
+
+    def list(self, prefix=""):
+        return sorted(k for k in self.objects if k.startswith(prefix))
+
+    def delete(self, key):
+        self.objects.pop(key, None)
+
+    def url(self, key=""):
+        return f"memory://{key}"
+
+
+@pytest.fixture(scope="module")
+def manifest_run():
+    run = small_run("unused", "data.dataset=digits", "partition.num_clients=3", "partition.scheme=iid")
+    run.store = MemoryStore()
+    manifest = make_partition(run.bundle, run.cfg.partition, run.cfg.run.seed).to_manifest()
+    run.store.put(run.paths.manifest, json.dumps(manifest).encode())
+    run.load_partition()  # the untouched manifest loads
+    return run, manifest
+
+
+def _paths(node, prefix=()):
+    """Every path into a JSON tree (short lists of indices are sampled, not walked entry by entry)."""
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i in sorted({0, len(node) - 1} if node else set()):
+            yield from _paths(node[i], (*prefix, i))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=5,
+)
+
+
+def _mutate(manifest, path, action, value):
+    tree = json.loads(json.dumps(manifest))
+    if not path:
+        return value
+    parent = tree
+    for part in path[:-1]:
+        parent = parent[part]
+    last = path[-1]
+    if action == "delete":
+        del parent[last]
+    elif action == "add" and isinstance(parent, dict):
+        parent[f"{last}_extra"] = value
+    elif action == "bump" and isinstance(parent[last], int) and not isinstance(parent[last], bool):
+        parent[last] += 1
+    else:
+        parent[last] = value
+    return tree
+
+
+def _load(run, data: bytes):
+    run.store.put(run.paths.manifest, data)
+    try:
+        run.load_partition()
+    except FedpipeError as e:
+        assert str(e).strip()
+        return str(e)
+    return None
+
+
+@FUZZ
+@given(st.data())
+def test_any_damaged_manifest_gives_a_partition_or_a_fedpipe_error(manifest_run, data):
+    run, manifest = manifest_run
+    text = json.dumps(manifest)
+    kind = data.draw(st.sampled_from(["field", "field", "field", "bytes"]))
+    if kind == "bytes":  # cut short, bytes flipped or spliced in: what a disk or a copy does
+        raw = bytearray(text.encode())
+        cut = data.draw(st.integers(0, len(raw)))
+        if data.draw(st.booleans()):
+            raw = raw[:cut]
+        else:
+            raw[cut:cut] = data.draw(st.binary(min_size=1, max_size=8))
+        _load(run, bytes(raw))
+        return
+    path = data.draw(st.sampled_from(list(_paths(manifest))))
+    action = data.draw(st.sampled_from(["replace", "delete", "add", "bump"]))
+    mutated = _mutate(manifest, path, action if path else "replace", data.draw(json_values))
+    message = _load(run, json.dumps(mutated).encode())
+    if message is not None and "is not a valid partition manifest" in message and path and action != "add":
+        # the message names the part of the manifest that is wrong (or, for whole-manifest checks, what disagrees)
+        named = [str(p) for p in path if isinstance(p, str)]
+        assert any(n in message for n in named) or "manifest has" in message or "index" in message or "clients" in message, (path, message)
