@@ -6,7 +6,9 @@ as a traceback. A validation message names the field it is about."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 import typing
 from pathlib import Path
@@ -61,7 +63,10 @@ def _yaml_text(tree) -> str:
     return yaml.safe_dump(tree, allow_unicode=True)
 
 
-CONFIG_FILE = Path(tempfile.mkdtemp(prefix="fedpipe-fuzz-")) / "config.yaml"
+# one file rewritten by every case (hypothesis cannot use function-scoped tmp_path); removed at exit
+_FUZZ_DIR = tempfile.mkdtemp(prefix="fedpipe-fuzz-")
+atexit.register(shutil.rmtree, _FUZZ_DIR, ignore_errors=True)
+CONFIG_FILE = Path(_FUZZ_DIR) / "config.yaml"
 
 
 @FUZZ
