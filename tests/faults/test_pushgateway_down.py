@@ -4,8 +4,8 @@ exactly one warning, and the lost pushes are counted and reported when the phase
 import json
 import logging
 
-from conftest import _start, _stop, find_binary, free_port
 from runs import small_run
+from services import find_binary, free_port, start_server, stop_server
 
 from fedpipe.telemetry.jsonl import JsonlSink
 from fedpipe.telemetry.prometheus import PrometheusSink
@@ -45,13 +45,13 @@ class StopGatewayAfterRound:
 
     def round_finished(self, event):
         if event.round == self.n + 1:
-            _stop(self.server)
+            stop_server(self.server)
 
 
 def test_gateway_killed_mid_run_training_finishes_and_counts_what_was_lost(tmp_path, caplog):
     port = free_port()
     binary = find_binary("prometheus-pushgateway", "pushgateway")
-    server = _start("pushgateway", [binary, f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+    server = start_server("pushgateway", [binary, f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
                     f"http://127.0.0.1:{port}", "/-/ready", tmp_path)
     try:
         run = small_run(tmp_path / "store", *OVERRIDES)
@@ -61,7 +61,7 @@ def test_gateway_killed_mid_run_training_finishes_and_counts_what_was_lost(tmp_p
         with caplog.at_level("INFO", logger="fedpipe"):
             state = run.train("federation", telemetry_sinks=sinks)
     finally:
-        _stop(server)
+        stop_server(server)
     assert state.round == 3
     assert sink.pushes == 2 and sink.lost_pushes == 3  # start + round 1 went through; rounds 2, 3 and the end did not
     (warning,) = warnings_of(caplog)

@@ -15,9 +15,9 @@ import threading
 import time
 
 import pytest
-from conftest import S3_ACCESS_KEY, S3_SECRET_KEY, _start, _stop, find_binary, free_port
 from minio import Minio
 from runs import small_run
+from services import S3_ACCESS_KEY, S3_SECRET_KEY, find_binary, free_port, start_server, stop_server
 
 from fedpipe.errors import StoreError
 
@@ -28,7 +28,7 @@ RETRY_SECONDS = 1.5
 
 def start_moto(port, workdir):
     binary = find_binary("moto_server")
-    return _start("moto_server", [binary, "-H", "127.0.0.1", "-p", str(port)], f"http://127.0.0.1:{port}", "/", workdir)
+    return start_server("moto_server", [binary, "-H", "127.0.0.1", "-p", str(port)], f"http://127.0.0.1:{port}", "/", workdir)
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def s3_endpoint(tmp_path, monkeypatch):
     servers = []
     yield port, servers
     for server in servers:
-        _stop(server)
+        stop_server(server)
 
 
 def stop_when_checkpoint_appears(server, key, stopped):
@@ -52,7 +52,7 @@ def stop_when_checkpoint_appears(server, key, stopped):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if any(o.object_name == key for o in client.list_objects("outage", prefix=key)):
-            _stop(server)
+            stop_server(server)
             stopped.append(time.monotonic())
             return
         time.sleep(0.02)
