@@ -151,12 +151,7 @@ class LocalStore(Store):
         """After a failed data write: put the previous hash back so the old object still checks."""
         with contextlib.suppress(OSError):
             if old is not None and had_object:
-                tmp = _write_temp(sidecar.parent, old)
-                try:
-                    os.replace(tmp, sidecar)
-                except OSError:
-                    with contextlib.suppress(OSError):
-                        tmp.unlink()
+                LocalStore._replace(sidecar, old)
             elif not had_object:
                 sidecar.unlink(missing_ok=True)
 
