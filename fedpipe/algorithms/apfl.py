@@ -39,6 +39,7 @@ from fedpipe.algorithms.base import (
     Slots,
     Stage,
     cross_entropy,
+    federation_phase,
 )
 
 LOCAL, ALPHA = "local", "alpha"
@@ -69,8 +70,7 @@ class APFL(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="global and local models trained together, mixed by a learned alpha per client")]
+        return [federation_phase(rounds, "global and local models trained together, mixed by a learned alpha per client")]
 
     @staticmethod
     def mix(w: Params, v: Params, alpha: torch.Tensor | float) -> Params:

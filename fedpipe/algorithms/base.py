@@ -204,6 +204,12 @@ class Algorithm(ABC):
         return None
 
 
+def federation_phase(rounds: int, description: str) -> Phase:
+    """The one communicating phase of rounds 1..R that most methods consist of: sampled clients
+    train and upload, the server aggregates."""
+    return Phase("federation", 1, rounds, sample_clients=True, communicates=True, description=description)
+
+
 def weighted_average(tensors: list[Params], weights: list[float]) -> Params:
     """Sum_k w_k * theta_k / Sum_k w_k, per tensor (FedAvg, McMahan et al. 2017, Algorithm 1).
 

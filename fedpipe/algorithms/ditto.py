@@ -32,6 +32,7 @@ from fedpipe.algorithms.base import (
     Slots,
     Stage,
     cross_entropy,
+    federation_phase,
 )
 from fedpipe.algorithms.regularizers import proximal_squared
 
@@ -57,8 +58,7 @@ class Ditto(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="FedAvg for the global model; each client also trains a personal model near it")]
+        return [federation_phase(rounds, "FedAvg for the global model; each client also trains a personal model near it")]
 
     # --- client side ----------------------------------------------------------------------------
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:

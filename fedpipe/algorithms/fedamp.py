@@ -42,6 +42,7 @@ from fedpipe.algorithms.base import (
     Stage,
     Upload,
     cross_entropy,
+    federation_phase,
 )
 from fedpipe.algorithms.regularizers import proximal_squared
 
@@ -77,8 +78,7 @@ class FedAMP(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="server passes attentive messages (cloud models u_i), clients train toward them")]
+        return [federation_phase(rounds, "server passes attentive messages (cloud models u_i), clients train toward them")]
 
     # --- server side ----------------------------------------------------------------------------
     def xi(self, server: ServerState, client_id: int) -> dict[int, float]:

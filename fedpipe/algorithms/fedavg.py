@@ -7,7 +7,17 @@ from typing import Literal
 
 import torch
 
-from fedpipe.algorithms.base import Algorithm, ClientContext, MethodParams, Params, Phase, Slots, Stage, cross_entropy
+from fedpipe.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    MethodParams,
+    Params,
+    Phase,
+    Slots,
+    Stage,
+    cross_entropy,
+    federation_phase,
+)
 
 
 class FedAvgParams(MethodParams):
@@ -23,8 +33,7 @@ class FedAvg(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="federated training of one global model")]
+        return [federation_phase(rounds, "federated training of one global model")]
 
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         return {"global": download}

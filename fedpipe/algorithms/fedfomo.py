@@ -49,6 +49,7 @@ from fedpipe.algorithms.base import (
     Stage,
     Upload,
     cross_entropy,
+    federation_phase,
 )
 from fedpipe.engine.seeding import torch_generator
 
@@ -84,8 +85,7 @@ class FedFomo(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="clients mix in other clients' models weighted by validation-loss gain, then train")]
+        return [federation_phase(rounds, "clients mix in other clients' models weighted by validation-loss gain, then train")]
 
     # --- server side ----------------------------------------------------------------------------
     def model_of(self, entry: Params) -> Params:

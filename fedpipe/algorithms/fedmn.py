@@ -68,6 +68,7 @@ from fedpipe.algorithms.base import (
     Stage,
     Upload,
     cross_entropy,
+    federation_phase,
     weighted_average,
 )
 from fedpipe.engine.seeding import derive_seed
@@ -202,8 +203,7 @@ class FedMN(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="modular federation: routed architectures, selective upload")]
+        return [federation_phase(rounds, "modular federation: routed architectures, selective upload")]
 
     # --- the networks as pure functions ------------------------------------------------------------
     def pool(self, global_params: Params) -> Params:

@@ -57,6 +57,7 @@ from fedpipe.algorithms.base import (
     Slots,
     Stage,
     cross_entropy,
+    federation_phase,
 )
 from fedpipe.engine.seeding import torch_generator
 
@@ -129,8 +130,7 @@ class FedMoE(Algorithm):
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
         return [
-            Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                  description="a global model by FedAvg on the opt-in clients' data (Algorithm 1, line 4)"),
+            federation_phase(rounds, "a global model by FedAvg on the opt-in clients' data (Algorithm 1, line 4)"),
             Phase("specialists", rounds + 1, rounds + 1, sample_clients=False, communicates=False,
                   description="every client fine-tunes the global model into its specialist (lines 6-7)"),
             Phase("gate", rounds + 2, rounds + 2, sample_clients=False, communicates=False,

@@ -32,6 +32,7 @@ from fedpipe.algorithms.base import (
     Slots,
     Stage,
     cross_entropy,
+    federation_phase,
 )
 from fedpipe.errors import ConfigError
 from fedpipe.models import names_under
@@ -64,8 +65,7 @@ class FedPer(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="base layers federated, personalization layers kept on each client")]
+        return [federation_phase(rounds, "base layers federated, personalization layers kept on each client")]
 
     def base(self, params: Params) -> Params:
         return {n: t for n, t in params.items() if n not in self.personal}

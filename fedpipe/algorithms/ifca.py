@@ -44,6 +44,7 @@ from fedpipe.algorithms.base import (
     Stage,
     Upload,
     cross_entropy,
+    federation_phase,
     weighted_average,
 )
 from fedpipe.engine.seeding import derive_seed
@@ -83,8 +84,7 @@ class IFCA(Algorithm):
 
     @classmethod
     def phases(cls, params: IFCAParams, rounds: int) -> list[Phase]:
-        phases = [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                        description="each client trains the cluster model with its lowest training loss")]
+        phases = [federation_phase(rounds, "each client trains the cluster model with its lowest training loss")]
         if params.reassign_at_end:
             phases.append(Phase("assignment", rounds + 1, rounds + 1, sample_clients=False, communicates=False,
                                 description="every client picks its cluster with the final models (no training)"))

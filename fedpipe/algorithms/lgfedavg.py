@@ -39,6 +39,7 @@ from fedpipe.algorithms.base import (
     Slots,
     Stage,
     cross_entropy,
+    federation_phase,
 )
 from fedpipe.errors import ConfigError
 from fedpipe.models import names_under
@@ -72,8 +73,7 @@ class LGFedAvg(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="global top layers federated, local representation layers kept on each client")]
+        return [federation_phase(rounds, "global top layers federated, local representation layers kept on each client")]
 
     def global_part(self, params: Params) -> Params:
         return {n: params[n] for n in self.global_names}

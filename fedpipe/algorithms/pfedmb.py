@@ -52,6 +52,7 @@ from fedpipe.algorithms.base import (
     Stage,
     Upload,
     cross_entropy,
+    federation_phase,
     weighted_average,
 )
 from fedpipe.multibranch import BranchLayout, project_onto_simplex
@@ -141,8 +142,7 @@ class PFedMB(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="multi-branch federation: alpha, then branches, alpha-weighted aggregation")]
+        return [federation_phase(rounds, "multi-branch federation: alpha, then branches, alpha-weighted aggregation")]
 
     # --- parameters -----------------------------------------------------------------------------
     def branches(self, global_params: Params) -> Params:

@@ -44,6 +44,7 @@ from fedpipe.algorithms.base import (
     Stage,
     Upload,
     cross_entropy,
+    federation_phase,
     weighted_average,
 )
 
@@ -78,8 +79,7 @@ class PFedMe(Algorithm):
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [Phase("federation", 1, rounds, sample_clients=True, communicates=True,
-                      description="local models w_i pulled toward personalized models theta_i; server averages w_i")]
+        return [federation_phase(rounds, "local models w_i pulled toward personalized models theta_i; server averages w_i")]
 
     # --- client side ----------------------------------------------------------------------------
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
