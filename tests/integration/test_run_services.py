@@ -54,10 +54,13 @@ def test_run_pushes_its_round_metrics_that_prometheus_scrapes(tmp_path, promethe
     run.run_all()
     rows = [json.loads(line) for line in (tmp_path / "metrics-run" / "report" / "rounds-personalization.jsonl").read_text().splitlines()]
     selector = '{run_id="metrics-run",method="superfed_mm",dataset="mnist5k",pipeline="local"}'
+    last_round = selector[:-1] + ',phase="personalization"}'
     deadline = time.time() + 20
-    while True:
+    while True:  # until Prometheus has scraped the last round's push (it scrapes every second, mid-run too)
         result = prom_query(prometheus, f"fedpipe_train_loss{selector}")
-        if len(result) == 2 or time.time() > deadline:  # one series per phase
+        latest = prom_query(prometheus, f"fedpipe_round{last_round}")
+        done = len(result) == 2 and latest and float(latest[0]["value"][1]) == rows[-1]["round"]  # one series per phase
+        if done or time.time() > deadline:
             break
         time.sleep(0.5)
     by_phase = {r["metric"]["phase"]: float(r["value"][1]) for r in result}
