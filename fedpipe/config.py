@@ -98,6 +98,33 @@ class EvalConfig(Section):
     experts paper's global column: how well specialists generalise); costs clients x test-set forwards."""
 
 
+class EngineConfig(Section):
+    """How a phase is executed. None of it changes the method's math: results agree within float
+    tolerance whatever is chosen here (so it is left out of the run's fingerprint)."""
+
+    clients: Literal["auto", "batched", "sequential"] = "auto"
+    """How a round's clients are trained in one process: sequential (one after another), batched
+    (many at once with torch.func.vmap, one stacked model per chunk), or auto: time both on the first
+    round of the phase and keep the faster (the log says which and why)."""
+    chunk: int = Field(32, ge=1)
+    """Batched mode: at most this many clients share one stacked step (bounds memory)."""
+    processes: int = Field(1, ge=1)
+    """Worker processes for one phase on this machine (torch.distributed, gloo on CPU): the round's
+    clients are spread over them and their uploads all-reduced. Under torchrun the world size comes
+    from torchrun instead. On a CPU, 2 single-threaded processes on 2 cores beat 1 process with 2 threads
+    for small models."""
+    state_memory_mb: float = Field(1024, gt=0)
+    """Clients' persistent states (SuPerFed's local models, pFedMB's alphas, ...) kept in memory up to
+    this size; the least recently used beyond it spill to the store and come back when sampled."""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """Images in channels-last memory layout (faster convolutions with oneDNN and cuDNN); auto: on for
+    convolutional models."""
+    amp: Literal["off", "bf16"] = "off"
+    """bf16 autocast of the forward pass on a GPU (ignored on a CPU)."""
+    compile: bool = False
+    """torch.compile each loss (measured slower for these small CNNs on a CPU; can pay off on a GPU)."""
+
+
 class TelemetryConfig(Section):
     """Where per-round metrics go besides the run's JSONL file."""
 
@@ -120,6 +147,7 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    engine: EngineConfig = EngineConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -141,7 +169,7 @@ class RunConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes results (not where they go or how progress is shown)."""
-        d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "eval": {"batch_size"}})
+        d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"}})
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def run_id(self) -> str:
