@@ -123,6 +123,8 @@ def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to
 
     r = Run(_load(config, set, run_id))
     state = r.train(phase)
+    if state is None:  # a rank > 0 of a distributed phase: rank 0 reports
+        return
     typer.echo(f"phase {phase} finished at round {state.round}; state: {r.store.url(f'{r.paths.run_id}/phases/{phase}/final.pt')}")
 
 

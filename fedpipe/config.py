@@ -105,7 +105,8 @@ class EngineConfig(Section):
     clients: Literal["auto", "batched", "sequential"] = "auto"
     """How a round's clients are trained in one process: sequential (one after another), batched
     (many at once with torch.func.vmap, one stacked model per chunk), or auto: time both on the first
-    round of the phase and keep the faster (the log says which and why)."""
+    round of the phase and keep the faster (the log says which and why). The two agree within float
+    tolerance, not bit for bit: name one for bitwise-identical reruns."""
     chunk: int = Field(32, ge=1)
     """Batched mode: at most this many clients share one stacked step (bounds memory)."""
     processes: int = Field(1, ge=1)
@@ -121,8 +122,6 @@ class EngineConfig(Section):
     convolutional models."""
     amp: Literal["off", "bf16"] = "off"
     """bf16 autocast of the forward pass on a GPU (ignored on a CPU)."""
-    compile: bool = False
-    """torch.compile each loss (measured slower for these small CNNs on a CPU; can pay off on a GPU)."""
 
 
 class TelemetryConfig(Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,10 @@ from fedpipe.config import RunConfig
 from fedpipe.data import DatasetBundle
 from fedpipe.data.datasets import load_dataset
 from fedpipe.data.partition import Partition, make_partition
+from fedpipe.engine import distributed
+from fedpipe.engine.clients import ClientTrainer
 from fedpipe.engine.data import prepare_data
+from fedpipe.engine.distributed import DistributedRound, launched_by_torchrun
 from fedpipe.engine.rounds import run_phase
 from fedpipe.engine.seeding import derive_seed
 from fedpipe.engine.state import Checkpoints, PhaseState
@@ -92,12 +96,12 @@ class Run:
             self._bundle = load_dataset(self.cfg.data)
         return self._bundle
 
-    def build_algorithm(self) -> tuple[Algorithm, dict]:
+    def build_algorithm(self, device: torch.device | None = None) -> tuple[Algorithm, dict]:
         """The algorithm and the initial global parameters (seeded: same seed, same weights)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.cfg.run.seed, "init-global"))
             model = build_model(self.cfg.model_name(), self.bundle.input_shape, self.bundle.num_classes)
-        model = model.to(self.device)
+        model = model.to(device or self.device)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         return build_algorithm(self.cfg.method, model, self.cfg.run.seed), initial
 
@@ -170,8 +174,72 @@ class Run:
         return partition
 
     # --- step 2: one training phase ---------------------------------------------------------------
-    def train(self, phase_name: str, telemetry_sinks: list | None = None) -> PhaseState:
-        """Run one phase, resuming from its last good checkpoint; returns the phase's final state."""
+    def train(self, phase_name: str, telemetry_sinks: list | None = None) -> PhaseState | None:
+        """Run one phase, resuming from its last good checkpoint; returns the phase's final state.
+
+        Under torchrun (or a PyTorchJob) every rank calls this: rank 0 runs the phase and returns its
+        state, the other ranks train the clients rank 0 hands them and return None. Otherwise
+        `engine.processes > 1` starts that many ranks on this machine."""
+        if launched_by_torchrun():
+            group = distributed.join()
+            try:
+                if group.rank > 0:
+                    self.serve(phase_name, group)
+                    return None
+                return self._train(phase_name, telemetry_sinks, group)
+            finally:
+                distributed.leave()
+        world = self.cfg.engine.processes
+        if world == 1:
+            return self._train(phase_name, telemetry_sinks, None)
+        threads = self.cfg.run.threads or max(1, (os.cpu_count() or 1) // world)
+        torch.set_num_threads(threads)
+        port = distributed.free_port()
+        workers = distributed.spawn_workers(self.cfg.model_dump_json(), phase_name, world, port, threads)
+        try:
+            group = distributed.join(0, world, "127.0.0.1", port)
+            try:
+                return self._train(phase_name, telemetry_sinks, group)
+            finally:
+                distributed.leave()
+        finally:
+            for w in workers:
+                try:
+                    w.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+
+    def _announce(self, group: distributed.Group | None, partition: Partition | None) -> None:
+        """Rank 0 tells the other ranks the partition to train on, or None: nothing to do."""
+        if group is not None:
+            box = [None if partition is None else partition.to_manifest()]
+            torch.distributed.broadcast_object_list(box, src=0, group=group.objects)
+
+    def serve(self, phase_name: str, group: distributed.Group) -> None:
+        """A rank > 0 of a distributed phase: train the clients rank 0 sends until it says stop."""
+        box = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=group.objects)
+        if box[0] is None:
+            return
+        phase = {p.name: p for p in self.phases()}[phase_name]
+        algorithm, _ = self.build_algorithm(group.device)
+        data = prepare_data(self.bundle, Partition.from_manifest(box[0]), group.device)
+        DistributedRound(group, ClientTrainer(self.cfg, algorithm, phase, data)).serve()
+
+    def _train(self, phase_name: str, telemetry_sinks: list | None, group: distributed.Group | None) -> PhaseState:
+        announced = False
+        try:
+            state = self._run_phase(phase_name, telemetry_sinks, group, lambda p: self._announce(group, p))
+            announced = True
+            return state
+        finally:
+            if not announced and group is not None:
+                try:
+                    self._announce(group, None)  # failed before the ranks got work: let them go
+                except RuntimeError:
+                    pass
+
+    def _run_phase(self, phase_name: str, telemetry_sinks: list | None, group: distributed.Group | None, announce) -> PhaseState:
         phases = self.phases()
         names = [p.name for p in phases]
         if phase_name not in names:
@@ -179,22 +247,36 @@ class Run:
         self.check_record(create=False)
         phase = phases[names.index(phase_name)]
         ckpt = Checkpoints(self.store, self.paths.run_id, phase.name)
+        device = group.device if group is not None else self.device
         if ckpt.has_final():
             log.info("Phase %s of run %s already finished; reusing its state.", phase.name, self.paths.run_id)
-            return ckpt.load_final(self.device)
-        algorithm, initial = self.build_algorithm()
+            state = ckpt.load_final(device)
+            announce(None)
+            return state
+        algorithm, initial = self.build_algorithm(device)
         index = names.index(phase_name)
         if index == 0:
             start = PhaseState(self.cfg.method.name, "init", 0, ServerState(initial), {}, self.cfg.fingerprint())
         else:
-            start = Checkpoints(self.store, self.paths.run_id, names[index - 1]).load_final(self.device)
-        data = prepare_data(self.bundle, self.load_partition(), self.device)
-        resumed = ckpt.latest_good(self.device)
+            start = Checkpoints(self.store, self.paths.run_id, names[index - 1]).load_final(device)
+        partition = self.load_partition()
+        data = prepare_data(self.bundle, partition, device)
+        resumed = ckpt.latest_good(device)
         if resumed is not None and resumed.round >= start.round:
             log.info("Resuming phase %s of run %s after round %d.", phase.name, self.paths.run_id, resumed.round)
             start = resumed
-        with Telemetry(telemetry_sinks if telemetry_sinks is not None else self.default_sinks(phase.name)) as telemetry:
-            return run_phase(self.cfg, algorithm, phase, data, start, ckpt, telemetry, self.labels(phase.name))
+        announce(partition)
+        train_round = None
+        if group is not None:
+            ranks = DistributedRound(group, ClientTrainer(self.cfg, algorithm, phase, data))
+            train_round = ranks.lead
+            log.info("Phase %s runs over %d processes (%s).", phase.name, group.world, torch.distributed.get_backend())
+        try:
+            with Telemetry(telemetry_sinks if telemetry_sinks is not None else self.default_sinks(phase.name)) as telemetry:
+                return run_phase(self.cfg, algorithm, phase, data, start, ckpt, telemetry, self.labels(phase.name), train_round)
+        finally:
+            if group is not None:
+                ranks.stop()
 
     def default_sinks(self, phase: str) -> list:
         sinks: list = [JsonlSink(self.store, self.paths.rounds(phase))]

@@ -18,6 +18,7 @@ SMALL = [
     "train.local_epochs=1",
     "train.batch_size=20",
     "telemetry.progress=false",
+    "engine.clients=sequential",  # bitwise comparisons between runs need one way of training (see engine.clients)
 ]
 
 

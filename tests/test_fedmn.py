@@ -13,7 +13,7 @@ from fedpipe.algorithms.fedmn import DECISION, UPLOADED, FedMN, FedMNParams, tem
 from fedpipe.config import load_config
 from fedpipe.engine.data import ClientData, Split
 from fedpipe.engine.local import train_client
-from fedpipe.engine.rounds import payload_bytes
+from fedpipe.engine.clients import payload_bytes
 from fedpipe.engine.seeding import torch_generator
 from fedpipe.errors import ConfigError
 from fedpipe.models import build_model

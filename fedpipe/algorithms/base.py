@@ -174,7 +174,11 @@ class Algorithm(ABC):
         """Combine the round's uploads (by default: sample-weighted average into the global model)."""
         if not uploads:
             return server
-        averaged = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        return self.apply_average(server, weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads]))
+
+    def apply_average(self, server: ServerState, averaged: Params) -> ServerState:
+        """The server state after the default aggregation produced `averaged` (uploaded tensors replace
+        their global counterparts). A distributed phase all-reduces the average and calls this directly."""
         return ServerState({**server.global_params, **averaged}, server.per_client)
 
     def round_details(self, server: ServerState, clients: dict[int, Params]) -> dict:
@@ -213,8 +217,9 @@ def federation_phase(rounds: int, description: str) -> Phase:
 def weighted_average(tensors: list[Params], weights: list[float]) -> Params:
     """Sum_k w_k * theta_k / Sum_k w_k, per tensor (FedAvg, McMahan et al. 2017, Algorithm 1).
 
-    Done in float64 and cast back, so the result does not depend on the clients' order beyond
-    float64 rounding.
+    The weighted sum is taken in float64 and divided last, then cast back: the result does not depend
+    on the clients' order (or on how a distributed phase splits the sum over processes) beyond float64
+    rounding.
     """
     total = float(sum(weights))
     if total <= 0:
@@ -223,8 +228,8 @@ def weighted_average(tensors: list[Params], weights: list[float]) -> Params:
     for name in tensors[0]:
         acc = torch.zeros_like(tensors[0][name], dtype=torch.float64)
         for t, w in zip(tensors, weights):
-            acc.add_(t[name].to(torch.float64), alpha=w / total)
-        out[name] = acc.to(tensors[0][name].dtype)
+            acc.add_(t[name].to(torch.float64), alpha=w)
+        out[name] = (acc / total).to(tensors[0][name].dtype)
     return out
 
 

@@ -5,25 +5,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Upload
+from fedpipe.algorithms.base import Algorithm, Phase, Upload
 from fedpipe.config import RunConfig
+from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork, payload_bytes
 from fedpipe.engine.data import FederatedData
-from fedpipe.engine.local import train_client
 from fedpipe.engine.seeding import torch_generator
 from fedpipe.engine.state import Checkpoints, PhaseState
-from fedpipe.errors import FedpipeError, TrainingError
+from fedpipe.errors import TrainingError
 from fedpipe.evaluation import evaluate_global, evaluate_personalized
 from fedpipe.telemetry import PhaseEvent, RoundEvent, RunLabels, Telemetry
 
 log = logging.getLogger(__name__)
-
-
-def payload_bytes(params: Params) -> int:
-    return sum(t.numel() * t.element_size() for t in params.values())
 
 
 def select_clients(data: FederatedData, phase: Phase, fraction: float, seed: int, round_: int) -> list[int]:
@@ -41,15 +37,9 @@ def select_clients(data: FederatedData, phase: Phase, fraction: float, seed: int
     return sorted(pool[i] for i in order[:m].tolist())
 
 
-@dataclass(frozen=True)
-class _Failure:
-    client_id: int
-    reason: str
-
-
-def _check_finite(client_id: int, params: Params | None) -> None:
-    if params is not None and not all(torch.isfinite(t).all() for t in params.values()):
-        raise FloatingPointError(f"client {client_id} produced non-finite weights")
+#: Trains a round's clients and returns their outcomes (in the order given) and, when the ranks of a
+#: distributed phase already all-reduced the uploads, their sample-weighted average (else None).
+RoundTrainer = Callable[[int, float, list[ClientWork]], "tuple[list[ClientOutcome], dict | None]"]
 
 
 def run_phase(
@@ -61,10 +51,16 @@ def run_phase(
     checkpoints: Checkpoints,
     telemetry: Telemetry,
     labels: RunLabels,
+    train_round: RoundTrainer | None = None,
 ) -> PhaseState:
-    """Run the rounds of `phase` after `state.round` and return the phase's final state."""
+    """Run the rounds of `phase` after `state.round` and return the phase's final state.
+
+    `train_round` trains each round's clients (default: in this process, `ClientTrainer`; a
+    distributed phase passes rank 0's side of `fedpipe.engine.distributed.DistributedRound`)."""
     train, seed = cfg.train, cfg.run.seed
-    by_id = {c.client_id: c for c in data.clients}
+    if train_round is None:
+        trainer = ClientTrainer(cfg, algorithm, phase, data)
+        train_round = lambda round_, lr, works: (trainer.train(works, round_, lr), None)  # noqa: E731
     start = time.perf_counter()
     telemetry.phase_started(PhaseEvent(labels, len(phase.rounds), max(state.round + 1, phase.first_round)))
     for round_ in phase.rounds:
@@ -72,51 +68,39 @@ def run_phase(
             continue  # finished before a restart
         t0 = time.perf_counter()
         lr = train.lr * train.lr_decay ** (round_ - 1)
-        uploads: list[Upload] = []
-        failures: list[_Failure] = []
-        loss_sum, samples, bytes_up, bytes_down = 0.0, 0, 0, 0
         chosen = select_clients(data, phase, train.client_fraction, seed, round_)
         if not chosen:
             raise TrainingError(f"No client can take part in phase {phase.name!r}: every client is opt-out. Lower partition.opt_out_fraction.")
-        for cid in chosen:
-            client = by_id[cid]
-            ctx = ClientContext(cid, round_, phase, client)
-            download = algorithm.download(phase, state.server, cid)
-            kept = state.clients.get(cid)
-            try:
-                slots = algorithm.client_params(ctx, download, kept)
-                slots, stats = train_client(
-                    algorithm, ctx, slots, algorithm.stages(ctx, train.local_epochs),
-                    batch_size=train.batch_size, lr=lr, optimizer=train.optimizer, momentum=train.momentum,
-                    weight_decay=train.weight_decay, generator=torch_generator(seed, "client", round_, cid),
-                )
-                upload, new_state = algorithm.client_result(ctx, slots, kept)
-                _check_finite(cid, upload)
-                _check_finite(cid, new_state)
-            except (FedpipeError, KeyboardInterrupt):
-                raise
-            except Exception as e:  # a failing client is left out of the round, not the end of the run
-                log.warning("Round %d: client %d failed and is left out of this round: %s", round_, cid, e, exc_info=not failures)
-                failures.append(_Failure(cid, f"{type(e).__name__}: {e}"))
+        works = [ClientWork(cid, algorithm.download(phase, state.server, cid), state.clients.get(cid)) for cid in chosen]
+        outcomes, averaged = train_round(round_, lr, works)
+        failures = [o for o in outcomes if o.error]
+        uploads: list[Upload] = []
+        loss_sum, samples, bytes_up, bytes_down = 0.0, 0, 0, 0
+        for work, o in zip(works, outcomes):
+            if o.error:
                 continue
             if phase.downloads:
-                bytes_down += payload_bytes(download)
-            if new_state is not None:
-                state.clients[cid] = new_state
-            if upload is not None and phase.communicates:
-                uploads.append(Upload(cid, len(client.train), upload))
-                bytes_up += payload_bytes(upload)
-            loss_sum += stats.loss * stats.samples
-            samples += stats.samples
+                bytes_down += payload_bytes(work.download)
+            if o.new_state is not None:
+                state.clients[o.client_id] = o.new_state
+            if phase.communicates and (o.upload is not None or o.upload_bytes):
+                bytes_up += o.upload_bytes
+                if o.upload is not None:
+                    uploads.append(Upload(o.client_id, o.num_samples, o.upload))
+            loss_sum += o.stats.loss * o.stats.samples
+            samples += o.stats.samples
         reported = len(chosen) - len(failures)
         if reported < min(train.min_clients, len(chosen)) or (chosen and reported == 0):
             raise TrainingError(
                 f"Round {round_} of phase {phase.name!r}: only {reported} of {len(chosen)} clients reported back "
-                f"(train.min_clients={train.min_clients}). First failure: client {failures[0].client_id}: {failures[0].reason}. "
+                f"(train.min_clients={train.min_clients}). First failure: client {failures[0].client_id}: {failures[0].error}. "
                 "Nothing of this round was kept; the phase resumes from its last checkpoint when rerun."
             )
         if phase.communicates:
-            state.server = algorithm.aggregate(phase, state.server, uploads)
+            if averaged is not None:
+                state.server = algorithm.apply_average(state.server, averaged)
+            else:
+                state.server = algorithm.aggregate(phase, state.server, uploads)
         seconds = time.perf_counter() - t0
         state.round = round_
         state.phase = phase.name

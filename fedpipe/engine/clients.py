@@ -1,0 +1,202 @@
+"""Training a round's clients in one process: one by one, or batched (`fedpipe.engine.batched`),
+whichever `engine.clients` asks for; `auto` times both on the first round and keeps the faster.
+The two ways agree within float tolerance, not bitwise: for bit-for-bit reruns name one of them.
+
+A client that fails (raises, or returns non-finite weights) becomes an outcome with an error: it is
+left out of the round, not the end of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Slots
+from fedpipe.config import RunConfig
+from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
+from fedpipe.engine.data import FederatedData
+from fedpipe.engine.local import ClientStats, train_client
+from fedpipe.engine.seeding import torch_generator
+from fedpipe.errors import FedpipeError
+
+log = logging.getLogger(__name__)
+
+
+def payload_bytes(params: Params | None) -> int:
+    return 0 if params is None else sum(t.numel() * t.element_size() for t in params.values())
+
+
+@dataclass
+class ClientWork:
+    """What the server hands a client for a round: its download and the state it kept (None: none yet)."""
+
+    client_id: int
+    download: Params
+    kept: Params | None
+
+
+@dataclass
+class ClientOutcome:
+    """What came back from one client's round."""
+
+    client_id: int
+    num_samples: int  # training samples held: the weight of sample-weighted aggregation
+    upload: Params | None = None
+    new_state: Params | None = None
+    stats: ClientStats | None = None
+    upload_bytes: int = 0
+    error: str | None = None
+
+
+def _check_finite(client_id: int, params: Params | None) -> None:
+    if params is not None and not all(torch.isfinite(t).all() for t in params.values()):
+        raise FloatingPointError(f"client {client_id} produced non-finite weights")
+
+
+class ClientTrainer:
+    """Trains lists of clients for one phase in this process."""
+
+    def __init__(self, cfg: RunConfig, algorithm: Algorithm, phase: Phase, data: FederatedData):
+        self.cfg, self.algorithm, self.phase = cfg, algorithm, phase
+        self.by_id = {c.client_id: c for c in data.clients}
+        self.device = data.global_test.y.device
+        self.mode = cfg.engine.clients  # "auto" until the first round with two clients or more decides
+        convolutional = any(isinstance(m, nn.Conv2d) for m in algorithm.model.modules())
+        self.channels_last = cfg.engine.channels_last == "on" or (cfg.engine.channels_last == "auto" and convolutional)
+        self.amp = cfg.engine.amp == "bf16"
+        self.failed_once = False  # only the first failing client's warning carries a traceback
+
+    # --- one by one ---------------------------------------------------------------------------
+    def _context(self, cid: int, round_: int) -> ClientContext:
+        return ClientContext(cid, round_, self.phase, self.by_id[cid])
+
+    def _finish(self, ctx: ClientContext, work: ClientWork, slots: Slots, stats: ClientStats) -> ClientOutcome:
+        upload, new_state = self.algorithm.client_result(ctx, slots, work.kept)
+        _check_finite(ctx.client_id, upload)
+        _check_finite(ctx.client_id, new_state)
+        return ClientOutcome(ctx.client_id, len(ctx.data.train), upload, new_state, stats, payload_bytes(upload))
+
+    def _failed(self, ctx: ClientContext, e: Exception) -> ClientOutcome:
+        log.warning("Round %d: client %d failed and is left out of this round: %s", ctx.round, ctx.client_id, e, exc_info=not self.failed_once)
+        self.failed_once = True
+        return ClientOutcome(ctx.client_id, len(ctx.data.train), error=f"{type(e).__name__}: {e}")
+
+    def _train_kwargs(self, lr: float) -> dict:
+        t = self.cfg.train
+        return dict(batch_size=t.batch_size, lr=lr, optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay)
+
+    def train_one(self, work: ClientWork, round_: int, lr: float) -> ClientOutcome:
+        ctx = self._context(work.client_id, round_)
+        try:
+            slots = self.algorithm.client_params(ctx, work.download, work.kept)
+            slots, stats = train_client(
+                self.algorithm, ctx, slots, self.algorithm.stages(ctx, self.cfg.train.local_epochs),
+                generator=torch_generator(self.cfg.run.seed, "client", round_, ctx.client_id),
+                memory_format_cl=self.channels_last, amp=self.amp, **self._train_kwargs(lr),
+            )
+            return self._finish(ctx, work, slots, stats)
+        except (FedpipeError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a failing client is left out of the round, not the end of the run
+            return self._failed(ctx, e)
+
+    # --- batched ------------------------------------------------------------------------------
+    def _jobs(self, works: list[ClientWork], round_: int) -> list[tuple[ClientWork, BatchJob]] | str:
+        """Batch jobs for `works`, or the reason they cannot run batched."""
+        jobs = []
+        for work in works:
+            ctx = self._context(work.client_id, round_)
+            stages = self.algorithm.stages(ctx, self.cfg.train.local_epochs)
+            reason = batchable(stages, self.cfg.train.optimizer)
+            if reason:
+                return reason
+            slots = self.algorithm.client_params(ctx, work.download, work.kept)
+            jobs.append((work, BatchJob(ctx, slots, stages, torch_generator(self.cfg.run.seed, "client", round_, work.client_id))))
+        return jobs
+
+    def _train_chunk(self, pairs: list[tuple[ClientWork, BatchJob]], round_: int, lr: float) -> list[ClientOutcome]:
+        kw = self._train_kwargs(lr)
+        results = train_batched(self.algorithm, [job for _, job in pairs], batch_size=kw["batch_size"], lr=lr,
+                                momentum=kw["momentum"], weight_decay=kw["weight_decay"], amp=self.amp)
+        outcomes = []
+        for (work, job), (slots, stats) in zip(pairs, results):
+            try:
+                outcomes.append(self._finish(job.ctx, work, slots, stats))
+            except (FedpipeError, KeyboardInterrupt):
+                raise
+            except Exception as e:
+                outcomes.append(self._failed(job.ctx, e))
+        return outcomes
+
+    def train_batched(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome] | str:
+        """Outcomes in the order of `works`, or why these clients cannot be batched."""
+        try:
+            jobs = self._jobs(works, round_)
+        except (FedpipeError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # client_params failed for some client: let the one-by-one path name it
+            return f"building a client's slots failed ({type(e).__name__}: {e})"
+        if isinstance(jobs, str):
+            return jobs
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, job) in enumerate(jobs):
+            layout = tuple((name, tuple((k, tuple(t.shape)) for k, t in tensors.items())) for name, tensors in job.slots.items())
+            groups.setdefault((layout, tuple(stage_key(s) for s in job.stages)), []).append(i)
+        out: dict[int, ClientOutcome] = {}
+        chunk = self.cfg.engine.chunk
+        for rows in groups.values():
+            for start in range(0, len(rows), chunk):
+                part = rows[start : start + chunk]
+                try:
+                    for i, outcome in zip(part, self._train_chunk([jobs[i] for i in part], round_, lr)):
+                        out[i] = outcome
+                except (FedpipeError, KeyboardInterrupt):
+                    raise
+                except Exception as e:  # no vmap rule for a layer, or one client broke the chunk
+                    return f"the batched step failed ({type(e).__name__}: {e})"
+        return [out[i] for i in range(len(works))]
+
+    # --- the choice -----------------------------------------------------------------------------
+    def train(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:
+        """Outcomes of `works`, in their order."""
+        if self.mode == "sequential" or not works:
+            return [self.train_one(w, round_, lr) for w in works]
+        if self.mode == "batched":
+            outcomes = self.train_batched(works, round_, lr)
+            if not isinstance(outcomes, str):
+                return outcomes
+            self._settle("sequential", f"clients cannot be batched for {self.algorithm.name} in phase {self.phase.name!r}: {outcomes}")
+            return [self.train_one(w, round_, lr) for w in works]
+        return self._measure(works, round_, lr)
+
+    def _measure(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:
+        """auto: the first `engine.chunk` clients of the phase's first round (two at least) train both
+        ways, each timed; the faster way (training samples per second) keeps its results and trains
+        the rest of the phase. The results are those of one way only: what the run computes does
+        not depend on the race, only which of two float-tolerance-equal ways computed it."""
+        if len(works) < 2:
+            return [self.train_one(w, round_, lr) for w in works]
+        probe, rest = works[: max(2, self.cfg.engine.chunk)], works[max(2, self.cfg.engine.chunk) :]
+        t0 = time.perf_counter()
+        one_by_one = [self.train_one(w, round_, lr) for w in probe]
+        t1 = time.perf_counter()
+        batched = self.train_batched(probe, round_, lr)
+        t2 = time.perf_counter()
+        if isinstance(batched, str):
+            self._settle("sequential", f"one by one: clients cannot be batched for {self.algorithm.name} in phase {self.phase.name!r} ({batched})")
+            return one_by_one + [self.train_one(w, round_, lr) for w in rest]
+        samples = sum(o.stats.samples for o in one_by_one if o.stats)
+        rate_b, rate_s = samples / max(t2 - t1, 1e-9), samples / max(t1 - t0, 1e-9)
+        mode = "batched" if rate_b > rate_s else "sequential"
+        self._settle(mode, f"{'batched' if mode == 'batched' else 'one by one'}: on {self.device.type} for {self.algorithm.name} "
+                           f"in phase {self.phase.name!r}, {len(probe)} clients of round {round_} trained at {rate_b:,.0f} "
+                           f"samples/s batched and {rate_s:,.0f} one by one")
+        return (batched if mode == "batched" else one_by_one) + self.train(rest, round_, lr)
+
+    def _settle(self, mode: str, why: str) -> None:
+        self.mode = mode
+        log.info("Client training: %s.", why)
