@@ -45,6 +45,25 @@ def train_phase(config: Input[Artifact], phase: str, manifest: Input[Dataset], s
             metrics.log_metric(key, float(last[key]))
 
 
+def launch_phase_job(config: Input[Artifact], phase: str, manifest: Input[Dataset], job: dict, image: str, storage: dict,
+                     cpu_request: str, cpu_limit: str, memory_request: str, memory_limit: str, accelerator_type: str,
+                     node_selector: dict, tolerations: list, s3_secret: str, state: Output[Model], metrics: Output[Metrics],
+                     previous: Input[Model] = None):
+    """Run one training phase as a Kubeflow Training Operator PyTorchJob (a phase that outgrows one GPU or
+    node) and wait for it; same inputs and outputs as train_phase. Its pods get these resources each."""
+    from fedpipe import tasks
+
+    resources = {"cpu_request": cpu_request, "cpu_limit": cpu_limit, "memory_request": memory_request,
+                 "memory_limit": memory_limit, "accelerator_type": accelerator_type, "node_selector": node_selector,
+                 "tolerations": tolerations}
+    last = tasks.launch_phase_job(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path,
+                                  job=job, image=image, resources=resources, storage=dict(storage, s3_secret=s3_secret))
+    state.metadata.update({"phase": phase, "round": int(last.get("round", 0)), "pytorchjob_nodes": int(job["nodes"])})
+    for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
+        if last.get(key) is not None:
+            metrics.log_metric(key, float(last[key]))
+
+
 def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Model], metrics: Output[Metrics],
              report: Output[HTML], summary: Output[Markdown]) -> str:
     """Evaluate the final models; the report (with its plots) as HTML, the summary as Markdown.
@@ -66,7 +85,7 @@ def compare(config: Input[Artifact], run_ids: list, table: Output[Markdown], res
     return tasks.compare(config.path, run_ids, table.path, results.path)
 
 
-FUNCTIONS = (resolve_config, partition, train_phase, evaluate, compare)
+FUNCTIONS = (resolve_config, partition, train_phase, launch_phase_job, evaluate, compare)
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,7 @@ class Components:
     resolve_config: object
     partition: object
     train_phase: object
+    launch_phase_job: object
     evaluate: object
     compare: object
 

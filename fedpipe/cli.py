@@ -215,10 +215,34 @@ S3SecretOpt = Annotated[Optional[str], typer.Option(help="Secret with the S3 cre
 PushgatewayOpt = Annotated[Optional[str], typer.Option(help="Pushgateway URL the pods push metrics to (default: env FEDPIPE_PUSHGATEWAY, else none).")]
 
 
-def _options(image, store, s3_endpoint, s3_secret, pushgateway):
+DistributedPhaseOpt = Annotated[Optional[str], typer.Option("--distributed-phase", help="Run this phase (see `fedpipe methods`) as a Kubeflow Training Operator PyTorchJob, created and awaited by a small launcher task, instead of as one task: for a phase that outgrows one GPU or node. Needs the Training Operator and the pytorchjobs RBAC (the chart's pytorchJob.enabled).")]
+NodesOpt = Annotated[Optional[int], typer.Option("--nodes", min=1, help="With --distributed-phase: pods of the PyTorchJob, one Master and the rest Workers (default 2).")]
+ProcessesOpt = Annotated[Optional[int], typer.Option("--processes-per-node", min=1, help="With --distributed-phase: torchrun processes per pod (default 1).")]
+GpusOpt = Annotated[Optional[int], typer.Option("--gpus-per-process", min=0, help="With --distributed-phase: GPUs per process, NCCL between them (default 0: CPU, gloo).")]
+JobCleanupOpt = Annotated[Optional[str], typer.Option("--job-cleanup", help="With --distributed-phase: delete the finished PyTorchJob on-success (default; a failed one is kept to inspect), always, or never.")]
+JobTimeoutOpt = Annotated[Optional[int], typer.Option("--job-timeout", min=1, help="With --distributed-phase: seconds the PyTorchJob may run (default 86400).")]
+
+
+def _distributed(phase, nodes, processes, gpus, cleanup, timeout) -> tuple:
+    """The PyTorchJob settings of --distributed-phase (none without it)."""
+    from fedpipe.pipelines.pytorchjob import PhaseJob
+
+    given = {("nodes", "--nodes"): nodes, ("processes_per_node", "--processes-per-node"): processes,
+             ("gpus_per_process", "--gpus-per-process"): gpus, ("cleanup", "--job-cleanup"): cleanup,
+             ("timeout_seconds", "--job-timeout"): timeout}
+    given = {key: value for key, value in given.items() if value is not None}
+    if phase is None:
+        if given:
+            raise FedpipeError(f"{', '.join(flag for _, flag in given)} only apply with --distributed-phase PHASE.")
+        return ()
+    return (PhaseJob(phase=phase, **{field: value for (field, _), value in given.items()}),)
+
+
+def _options(image, store, s3_endpoint, s3_secret, pushgateway, distributed: tuple = ()):
     from fedpipe.pipelines.builder import DeployOptions
 
-    return DeployOptions.from_env(image=image, store=store, s3_endpoint=s3_endpoint, s3_secret=s3_secret, pushgateway=pushgateway)
+    return DeployOptions.from_env(image=image, store=store, s3_endpoint=s3_endpoint, s3_secret=s3_secret, pushgateway=pushgateway,
+                                  distributed=distributed)
 
 
 def _pipeline(cfg, options, benchmark: Optional[list[str]]):
@@ -236,7 +260,9 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
              out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write the pipeline YAML.")] = None,
              all_: Annotated[bool, typer.Option("--all", help="Regenerate the shipped pipelines/*.yaml and components/*.yaml (release defaults, environment ignored).")] = False,
              benchmark: BenchmarkOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
-             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None,
+             nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None, gpus_per_process: GpusOpt = None,
+             job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Compile the method's pipeline (one task per phase) to Kubeflow Pipelines v2 YAML."""
     from fedpipe.components.steps import compile_components
     from fedpipe.pipelines.builder import SHIPPED, compile_pipeline, shipped_pipelines
@@ -251,7 +277,9 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
         return
     cfg = _load(config, set)
     target = out or Path(f"{cfg.method.name if not benchmark else 'benchmark'}.yaml")
-    typer.echo(compile_pipeline(_pipeline(cfg, _options(image, store, s3_endpoint, s3_secret, pushgateway), benchmark), target))
+    distributed = _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout)
+    options = _options(image, store, s3_endpoint, s3_secret, pushgateway, distributed)
+    typer.echo(compile_pipeline(_pipeline(cfg, options, benchmark), target))
 
 
 HostOpt = Annotated[Optional[str], typer.Option(help="Kubeflow Pipelines API, e.g. http://localhost:8080 (port-forwarded) or, in the cluster, http://ml-pipeline.kubeflow.svc.cluster.local:8888 (default: env KF_PIPELINES_ENDPOINT).")]
@@ -261,24 +289,25 @@ NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow 
 ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]
 
 
-def _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway):
+def _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, distributed: tuple = ()):
     from fedpipe.pipelines.builder import method_pipeline
 
     cfg = _load(config, [*(set or []), *([f"method.name={method}"] if method else [])])
-    return cfg, method_pipeline(cfg, _options(image, store, s3_endpoint, s3_secret, pushgateway))
+    return cfg, method_pipeline(cfg, _options(image, store, s3_endpoint, s3_secret, pushgateway, distributed))
 
 
 @app.command()
 @_guarded
 def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
              namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
-             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
+             gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Upload the method's pipeline (compiled from the config) to Kubeflow, as a new pipeline or a new version."""
     from fedpipe.pipelines.builder import pipeline_name
     from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import register as do_register
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway)
+    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     name = name or pipeline_name(cfg.method.name)
     done = do_register(connect(host, namespace), pipeline, name, description=f"fedpipe {cfg.method.name}")
     typer.echo(f"pipeline {name}: version {done.version} (pipeline id {done.pipeline_id}, version id {done.version_id})")
@@ -289,12 +318,13 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
 def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None,
            experiment: ExperimentOpt = "fedpipe", run_name: Annotated[Optional[str], typer.Option(help="Name of the run in the Kubeflow UI.")] = None,
            namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
-           s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+           s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
+             gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Start one run of the method's pipeline on a Kubeflow cluster (the config becomes its defaults)."""
     from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import submit as do_submit
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway)
+    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     run_id = do_submit(connect(host, namespace), pipeline, experiment, run_name or cfg.run_id(), namespace)
     typer.echo(f"submitted run {run_id} of {cfg.method.name} to experiment {experiment!r}")
 
@@ -304,7 +334,9 @@ def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, m
 def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron syntax in UTC, e.g. '0 3 * * *' (daily at 03:00).")],
              host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
              experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None,
-             s3_endpoint: S3EndpointOpt = None, s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None):
+             s3_endpoint: S3EndpointOpt = None, s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None,
+             distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
+             gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Register the pipeline and create (or replace) a recurring run of it: scheduled retraining.
     Each scheduled run trains anew in its own run folder; missed times are not caught up."""
     from fedpipe.pipelines.builder import pipeline_name
@@ -313,7 +345,7 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
     from fedpipe.pipelines.client import schedule as do_schedule
 
     kfp_cron(cron)  # a bad expression fails before anything is registered
-    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway)
+    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     name = name or pipeline_name(cfg.method.name)
     client = connect(host, namespace)
     registered = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")

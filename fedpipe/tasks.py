@@ -105,8 +105,8 @@ def partition(config_path: str, manifest_path: str, heatmap_path: str) -> dict:
     return {"clients": len(sizes), "min_client_size": min(sizes), "max_client_size": max(sizes)}
 
 
-def train_phase(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str) -> dict:
-    """Run one phase; returns the metrics of its last round (empty when the phase has no rounds)."""
+def _phase_inputs(config_path: str, phase: str, manifest_path: str, previous_path: str | None) -> Run:
+    """The run with the phase's inputs (manifest, previous phase's state) in its store."""
     run = _prepare(config_path, manifest_path)
     names = [p.name for p in run.phases()]
     if phase not in names:
@@ -116,10 +116,51 @@ def train_phase(config_path: str, phase: str, manifest_path: str, previous_path:
         if previous_path is None:
             raise ConfigError(f"phase {phase!r} needs the state of phase {names[index - 1]!r} as its input.")
         _bring_in(run, f"{run.paths.run_id}/phases/{names[index - 1]}/final.pt", previous_path)
-    run.train(phase)
+    return run
+
+
+def _phase_outputs(run: Run, phase: str, state_path: str) -> dict:
+    """Copy the phase's final state out; the metrics of its last round (empty when it has no rounds)."""
     _copy_out(run, f"{run.paths.run_id}/phases/{phase}/final.pt", state_path)
     rows = [json.loads(line) for line in _text_or_empty(run, run.paths.rounds(phase)).splitlines() if line.strip()]
     return rows[-1] if rows else {}
+
+
+def train_phase(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str) -> dict:
+    """Run one phase; returns the metrics of its last round (empty when the phase has no rounds)."""
+    run = _phase_inputs(config_path, phase, manifest_path, previous_path)
+    run.train(phase)
+    return _phase_outputs(run, phase, state_path)
+
+
+def launch_phase_job(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str, *,
+                     job: dict, image: str, resources: dict, storage: dict, poll_seconds: float = 10.0) -> dict:
+    """Run one phase as a Kubeflow Training Operator PyTorchJob and wait for it; same inputs and outputs
+    as `train_phase`. The job's pods read the inputs from the run's store and rank 0 writes the phase's
+    state there, so the store must be MinIO/S3, which every pod reaches.
+
+    `job`: the PhaseJob fields; `resources`: the PodResources fields (the pipeline's training-task
+    parameters); `storage`: the StorageAccess fields (endpoint, Secret name and keys, Pushgateway)."""
+    from fedpipe.pipelines.launcher import PhaseJobLauncher
+    from fedpipe.pipelines.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+
+    settings = PhaseJob.from_dict(job)
+    store = load_config(config_path).run.store
+    if not store.startswith("s3://"):
+        raise ConfigError(
+            f"phase {phase!r} runs as a PyTorchJob, whose pods share the run through its store, but run.store is "
+            f"{store!r}, a folder only this pod sees. Set run.store to s3://bucket/prefix."
+        )
+    run = _phase_inputs(config_path, phase, manifest_path, previous_path)
+    storage = dict(storage, s3_secret_keys=tuple(storage.get("s3_secret_keys", ("accesskey", "secretkey"))))
+    pinned = run.cfg.model_copy(update={"run": run.cfg.run.model_copy(update={"id": run.paths.run_id})})  # every pod, one run folder
+    launcher = PhaseJobLauncher(poll_seconds=poll_seconds)
+    manifest = phase_job_manifest(
+        run_id=run.paths.run_id, phase=phase, config_yaml=pinned.to_yaml(), namespace=launcher.namespace,
+        image=image, job=settings, resources=PodResources(**resources), storage=StorageAccess(**storage),
+    )
+    launcher.run(manifest, wait_seconds=settings.timeout_seconds + 60, cleanup=settings.cleanup)
+    return _phase_outputs(run, phase, state_path)
 
 
 def _text_or_empty(run: Run, key: str) -> str:

@@ -22,6 +22,8 @@ from kfp import compiler, dsl, kubernetes
 from fedpipe.algorithms import ALGORITHMS, phases_of
 from fedpipe.components.steps import DEFAULT_IMAGE, DEFAULT_TRAINING_IMAGE, Components, build
 from fedpipe.config import RunConfig, load_config
+from fedpipe.errors import ConfigError
+from fedpipe.pipelines.pytorchjob import PhaseJob
 
 # Fields that are fixed by the pipeline's shape: the method decides the phases (one task each),
 # and the scheme decides which partition fields exist. Change them with `overrides` or another pipeline.
@@ -56,6 +58,9 @@ class DeployOptions:
     pushgateway: str = ""  # empty: no metrics are pushed
     retries: int = 2  # a failed training task is retried and resumes from its last checkpoint
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Phases that run as a Kubeflow Training Operator PyTorchJob, started and awaited by a small launcher
+    # task, instead of as one training task (fedpipe.pipelines.pytorchjob).
+    distributed: tuple[PhaseJob, ...] = ()
 
     @classmethod
     def from_env(cls, **overrides) -> DeployOptions:
@@ -74,6 +79,11 @@ class DeployOptions:
         }
         chosen = {k: v for k, v in {**env, **overrides}.items() if v is not None}
         return replace(cls(), **chosen)
+
+
+# The launcher task's pod label; the chart's NetworkPolicy lets only pods with it reach the Kubernetes API.
+LAUNCHER_COMPONENT = "pytorchjob-launcher"
+LAUNCHER_RESOURCES = {"cpu_request": "100m", "cpu_limit": "1", "memory_request": "512Mi", "memory_limit": "2Gi"}
 
 
 def pipeline_name(method: str | None) -> str:
@@ -144,22 +154,57 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
         _storage(part, options, secret)
         manifest = part.outputs["manifest"]
     phases = phases_of(cfg.method, cfg.train.rounds)
+    distributed = {job.phase: job for job in options.distributed}
     previous = None
     for phase in phases:
         inputs = {"previous": previous} if previous is not None else {}
-        task = c.train_phase(config=config, phase=phase.name, manifest=manifest, **inputs)
-        task.set_display_name(f"{method + ' ' if method else ''}{phase.name}")
-        task.set_accelerator_type(v["accelerator_type"]).set_accelerator_limit(v["accelerator_count"])
-        task.set_cpu_request(v["cpu_request"]).set_cpu_limit(v["cpu_limit"])
-        task.set_memory_request(v["memory_request"]).set_memory_limit(v["memory_limit"])
-        kubernetes.add_node_selector_json(task, v["node_selector"])
-        kubernetes.add_toleration_json(task, v["tolerations"])
+        if phase.name in distributed:
+            task = _launcher_task(c, v, options, distributed[phase.name], config, manifest, secret, inputs)
+            task.set_display_name(f"{method + ' ' if method else ''}{phase.name} (PyTorchJob)")
+        else:
+            task = c.train_phase(config=config, phase=phase.name, manifest=manifest, **inputs)
+            task.set_display_name(f"{method + ' ' if method else ''}{phase.name}")
+            task.set_accelerator_type(v["accelerator_type"]).set_accelerator_limit(v["accelerator_count"])
+            task.set_cpu_request(v["cpu_request"]).set_cpu_limit(v["cpu_limit"])
+            task.set_memory_request(v["memory_request"]).set_memory_limit(v["memory_limit"])
+            kubernetes.add_node_selector_json(task, v["node_selector"])
+            kubernetes.add_toleration_json(task, v["tolerations"])
         task.set_retry(options.retries)
         _storage(task, options, secret)
         previous = task.outputs["state"]
     evaluate = c.evaluate(config=config, manifest=manifest, state=previous).set_display_name(f"evaluate {method}" if method else "evaluate")
     _storage(evaluate, options, secret)
     return evaluate
+
+
+def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob, config, manifest, secret, inputs: dict):
+    """The task that runs a phase as a PyTorchJob: a small pod of its own (it only talks to the API server
+    and copies artifacts); the training resources parameters size each pod of the job instead."""
+    storage = {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": list(options.s3_secret_keys),
+               "pushgateway": options.pushgateway, "extra_env": dict(options.extra_env)}
+    task = c.launch_phase_job(
+        config=config, phase=job.phase, manifest=manifest, job=job.as_dict(), image=options.training_image, storage=storage,
+        cpu_request=v["cpu_request"], cpu_limit=v["cpu_limit"], memory_request=v["memory_request"], memory_limit=v["memory_limit"],
+        accelerator_type=v["accelerator_type"], node_selector=v["node_selector"], tolerations=v["tolerations"], s3_secret=secret,
+        **inputs,
+    )
+    task.set_cpu_request(LAUNCHER_RESOURCES["cpu_request"]).set_cpu_limit(LAUNCHER_RESOURCES["cpu_limit"])
+    task.set_memory_request(LAUNCHER_RESOURCES["memory_request"]).set_memory_limit(LAUNCHER_RESOURCES["memory_limit"])
+    kubernetes.use_field_path_as_env(task, "FEDPIPE_NAMESPACE", "metadata.namespace")  # the job goes beside the task
+    kubernetes.add_pod_label(task, "app.kubernetes.io/component", LAUNCHER_COMPONENT)
+    return task
+
+
+def _check_distributed(options: DeployOptions, phases_by_method: dict[str, list[str]]) -> None:
+    """Every distributed phase is a phase of some method in the pipeline, and named once."""
+    names = [job.phase for job in options.distributed]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a distributed phase is given twice: {', '.join(names)}.")
+    known = {phase for phases in phases_by_method.values() for phase in phases}
+    for name in names:
+        if name not in known:
+            listed = "; ".join(f"{m}: {', '.join(p)}" for m, p in phases_by_method.items())
+            raise ConfigError(f"--distributed-phase {name!r} is not a phase of the pipeline's method(s) ({listed}).")
 
 
 def _deployed(cfg: RunConfig, options: DeployOptions, name: str) -> RunConfig:
@@ -174,6 +219,7 @@ def _deployed(cfg: RunConfig, options: DeployOptions, name: str) -> RunConfig:
 def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) -> Callable:
     """The pipeline of `cfg.method`: one task per phase, generated from the method's phase list."""
     name = pipeline_name(cfg.method.name)
+    _check_distributed(options, {cfg.method.name: [p.name for p in phases_of(cfg.method, cfg.train.rounds)]})
     cfg = _deployed(cfg, options, name)
     fields = flat_fields(cfg)
     c = build(options.image, options.training_image)
@@ -197,6 +243,7 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
     c = build(options.image, options.training_image)
     signature = _signature(fields, _one_line(cfg), options)
     per_method = {m: load_config(None, [f"method.name={m}"]).method for m in methods}
+    _check_distributed(options, {m: [p.name for p in phases_of(per_method[m], cfg.train.rounds)] for m in methods})
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)

@@ -111,3 +111,49 @@ def test_the_benchmark_pipeline_compares_methods_on_one_partition(tmp_path):
     manifests = [json.loads(p.read_text()) for p in tmp_path.glob("*/partition/manifest.json")]
     assert len(manifests) == 3  # the shared partition, brought into each method's run unchanged
     assert all(m == manifests[0] for m in manifests)
+
+
+def test_a_distributed_phase_is_a_pytorchjob_launcher_task(tmp_path):
+    """`--distributed-phase`: that phase's task launches a PyTorchJob (fedpipe.pipelines.pytorchjob);
+    the other phases stay ordinary training tasks, and the chain of states is unchanged."""
+    from fedpipe.errors import ConfigError
+    from fedpipe.pipelines.builder import LAUNCHER_COMPONENT, benchmark_pipeline
+    from fedpipe.pipelines.pytorchjob import PhaseJob
+
+    job = PhaseJob("personalization", nodes=3, processes_per_node=2, gpus_per_process=1)
+    options = DeployOptions(distributed=(job,), pushgateway="http://pgw:9091")
+    cfg = load_config(None, ["method.name=superfed_mm"])
+    path = compile_pipeline(method_pipeline(cfg, options), tmp_path / "superfed_mm.yaml")
+    spec, platform = list(yaml.safe_load_all(path.read_text()))
+    tasks = root_tasks(spec)
+    launchers = {n: t for n, t in tasks.items() if t["componentRef"]["name"] == "comp-launch-phase-job"}
+    training = {n: t for n, t in tasks.items() if t["componentRef"]["name"].startswith("comp-train-phase")}
+    assert [t["taskInfo"]["name"] for t in training.values()] == ["federation"]  # personalization's train task is gone
+    ((name, launcher),) = launchers.items()
+    assert launcher["taskInfo"]["name"] == "personalization (PyTorchJob)"
+    params = launcher["inputs"]["parameters"]
+    assert params["phase"]["runtimeValue"]["constant"] == "personalization"
+    assert PhaseJob.from_dict(params["job"]["runtimeValue"]["constant"]) == job
+    assert params["image"]["runtimeValue"]["constant"] == options.training_image
+    storage = params["storage"]["runtimeValue"]["constant"]
+    assert storage == {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": ["accesskey", "secretkey"],
+                       "pushgateway": "http://pgw:9091", "extra_env": {}}
+    # The training-resource parameters size each pod of the job; the Secret name is the run's parameter.
+    for key in ("cpu_request", "cpu_limit", "memory_request", "memory_limit", "accelerator_type", "node_selector", "tolerations", "s3_secret"):
+        assert params[key] == {"componentInputParameter": key}, key
+    artifacts = launcher["inputs"]["artifacts"]
+    assert artifacts["previous"]["taskOutputArtifact"] == {"outputArtifactKey": "state", "producerTask": next(iter(training))}
+    assert tasks["evaluate"]["inputs"]["artifacts"]["state"]["taskOutputArtifact"]["producerTask"] == name
+    executor = spec["deploymentSpec"]["executors"]["exec-launch-phase-job"]["container"]
+    assert executor["image"] == options.image, "the launcher is the small CPU image; the job's pods get the CUDA one"
+    assert "accelerator" not in executor["resources"]
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-launch-phase-job"]
+    assert k8s["fieldPathAsEnv"] == [{"fieldPath": "metadata.namespace", "name": "FEDPIPE_NAMESPACE"}]
+    assert k8s["podMetadata"]["labels"] == {"app.kubernetes.io/component": LAUNCHER_COMPONENT}
+    assert {e["envVar"] for s in k8s["secretAsEnv"] for e in s["keyToEnv"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    # The benchmark distributes that phase in every method that has it.
+    bench = compile_pipeline(benchmark_pipeline(cfg, ["superfed_mm", "fedavg"], options), tmp_path / "benchmark.yaml")
+    text = bench.read_text()
+    assert "superfed_mm personalization (PyTorchJob)" in text and "fedavg federation (PyTorchJob)" not in text
+    with pytest.raises(ConfigError, match="not a phase of the pipeline's method"):
+        method_pipeline(load_config(None, ["method.name=fedavg"]), options)

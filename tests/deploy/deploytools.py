@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,9 +81,87 @@ def validate_service_monitor(doc: dict) -> None:
     )
 
 
+PYTORCHJOB_SCHEMA = Path(__file__).resolve().parent / "schemas" / "kubeflow.org_pytorchjobs.v1.yaml"
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Enums of the Training Operator's v1 API types (the CRD leaves them plain strings).
+RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
+CLEAN_POD_POLICIES = ("None", "Running", "All")
+MANAGED_BY = ("", "kubeflow.org/training-operator", "kueue.x-k8s.io/multikueue")
+
+
+def _closed(schema):
+    """The CRD schema with unknown fields made errors: the API server prunes them silently (a structural
+    schema), so a misspelt field would vanish on the cluster; here it fails."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: (_closed(value) if key != "properties" else {k: _closed(v) for k, v in value.items()}) for key, value in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def pytorchjob_problems(doc: dict) -> list[str]:
+    """What the API server and the Training Operator's admission webhook would refuse in a PyTorchJob
+    (tests/deploy/schemas/README.md): the CRD schema, closed; then the webhook's rules."""
+    jsonschema = import_tool("jsonschema", "jsonschema")
+    schema = _closed(yaml.safe_load(PYTORCHJOB_SCHEMA.read_text()))
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+    if doc.get("apiVersion") != "kubeflow.org/v1" or doc.get("kind") != "PyTorchJob":
+        problems.append("not a kubeflow.org/v1 PyTorchJob")
+    name = (doc.get("metadata") or {}).get("name", "")
+    if not (DNS_1035_LABEL.match(name) and len(name) <= 63):
+        problems.append(f"metadata.name {name!r} is not a DNS-1035 label")
+    spec = doc.get("spec") or {}
+    for rtype, replica in (spec.get("pytorchReplicaSpecs") or {}).items():
+        where = f"spec.pytorchReplicaSpecs.{rtype}"
+        if rtype not in ("Master", "Worker"):
+            problems.append(f"{where}: replica type must be Master or Worker")
+        if rtype == "Master" and replica.get("replicas") != 1:
+            problems.append(f"{where}.replicas must be 1")
+        if rtype == "Worker" and isinstance(replica.get("replicas", 1), int) and replica.get("replicas", 1) < 1:
+            problems.append(f"{where}.replicas must be at least 1")
+        if replica.get("restartPolicy", "Never") not in RESTART_POLICIES:
+            problems.append(f"{where}.restartPolicy must be one of {RESTART_POLICIES}")
+        containers = ((replica.get("template") or {}).get("spec") or {}).get("containers") or []
+        if not any(c.get("name") == "pytorch" for c in containers):
+            problems.append(f"{where}: no container named pytorch (the operator's default container)")
+        if not all(c.get("image") for c in containers):
+            problems.append(f"{where}: a container has no image")
+    policy = spec.get("runPolicy") or {}
+    if policy.get("cleanPodPolicy", "None") not in CLEAN_POD_POLICIES:
+        problems.append(f"spec.runPolicy.cleanPodPolicy must be one of {CLEAN_POD_POLICIES}")
+    if policy.get("managedBy", "") not in MANAGED_BY:
+        problems.append(f"spec.runPolicy.managedBy must be one of {MANAGED_BY}")
+    if spec.get("elasticPolicy", {}).get("nProcPerNode") is not None and "nprocPerNode" in spec:
+        problems.append("spec.elasticPolicy.nProcPerNode must not be used with spec.nprocPerNode")
+    return problems
+
+
+def validate_pytorchjob(doc: dict) -> None:
+    """A PyTorchJob against the PyTorchJob CRD's schema and the operator's admission rules; its pod
+    templates go through kubernetes-validate as PodTemplates (`pod_templates`)."""
+    problems = pytorchjob_problems(doc)
+    assert not problems, "the PyTorchJob would be refused:\n" + "\n".join(problems)
+
+
+def pod_templates(doc: dict) -> list[dict]:
+    """Each replica's pod template of a PyTorchJob as a core/v1 PodTemplate, for kubernetes-validate."""
+    meta = doc["metadata"]
+    return [
+        {"apiVersion": "v1", "kind": "PodTemplate",
+         "metadata": {"name": f"{meta['name']}-{rtype.lower()}", "namespace": meta.get("namespace", NAMESPACE),
+                      "labels": meta.get("labels", {})},
+         "template": replica["template"]}
+        for rtype, replica in doc["spec"]["pytorchReplicaSpecs"].items()
+    ]  # fmt: skip
+
+
 # Kinds kubernetes-validate has no schema for (it only warns and passes them: CRDs), and what
 # validates them here instead.
-CRD_VALIDATORS = {"ServiceMonitor": validate_service_monitor}
+CRD_VALIDATORS = {"ServiceMonitor": validate_service_monitor, "PyTorchJob": validate_pytorchjob}
 
 
 def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
@@ -96,6 +175,8 @@ def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
             specs.append((name, doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
         elif doc["kind"] == "Pod":
             specs.append((name, doc["spec"]))
+        elif doc["kind"] == "PyTorchJob":
+            specs += [(f"{name} {rtype}", r["template"]["spec"]) for rtype, r in doc["spec"]["pytorchReplicaSpecs"].items()]
     return specs
 
 
@@ -108,3 +189,20 @@ def only(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
     found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
     assert len(found) == 1, f"expected one {kind} *{name_suffix}, found {[d['metadata']['name'] for d in found]}"
     return found[0]
+
+
+def sample_pytorchjob(phase: str = "personalization", *, store: str = "s3://mlpipeline/fedpipe", resources: dict | None = None,
+                      **job) -> dict:
+    """A phase's PyTorchJob as the launcher task renders it (fedpipe.pipelines.pytorchjob), for a
+    superfed_mm run in Kubeflow's MinIO with its credentials Secret."""
+    from fedpipe.config import load_config
+    from fedpipe.pipelines.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+
+    cfg = load_config(None, ["method.name=superfed_mm", f"run.store={store}", "run.id=superfed-mm-test-0a1b2c3d-job42"])
+    return phase_job_manifest(
+        run_id=cfg.run_id(), phase=phase, config_yaml=cfg.to_yaml(), namespace=NAMESPACE,
+        image="ghcr.io/fedpipe/fedpipe:0.1.0-cuda", job=PhaseJob(phase=phase, **job),
+        resources=PodResources(**(resources or {})),
+        storage=StorageAccess(s3_endpoint="http://minio-service.kubeflow:9000", s3_secret="mlpipeline-minio-artifact",
+                              pushgateway=f"http://fedpipe-pushgateway.{NAMESPACE}:9091"),
+    )

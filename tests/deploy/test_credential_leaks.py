@@ -6,7 +6,7 @@ import base64
 import re
 
 import yaml
-from deploytools import CHART, MANIFESTS, NAMESPACE, RELEASE, only, run_tool
+from deploytools import CHART, MANIFESTS, NAMESPACE, RELEASE, only, pod_specs, run_tool, sample_pytorchjob
 
 # Unmistakable dummies, passed only with --set.
 ACCESS_KEY = "LEAKCHECK-ACCESS-7f3a9c"
@@ -34,6 +34,8 @@ def assert_no_credentials(docs: list[dict], where: str) -> None:
 
 
 def _all_containers(doc: dict) -> list[dict]:
+    if doc["kind"] == "PyTorchJob":
+        return [c for _, pod in pod_specs([doc]) for c in pod.get("initContainers", []) + pod["containers"]]
     spec = doc.get("spec", {}).get("template", {}).get("spec", {})
     return spec.get("initContainers", []) + spec.get("containers", [])
 
@@ -69,3 +71,16 @@ def test_default_chart_render_has_no_credentials(render_chart):
 def test_kustomize_output_has_no_credentials(build_kustomization, kustomize_overlay):
     assert_no_credentials(build_kustomization(MANIFESTS), "kubectl kustomize manifests/")
     assert_no_credentials(build_kustomization(kustomize_overlay), "the overlay")
+
+
+def test_pytorchjob_has_no_credentials(render_chart, monkeypatch):
+    # The launcher renders the job in a pod that has the credentials in its env: none may reach the job.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    for job in (sample_pytorchjob(), sample_pytorchjob(nodes=3, gpus_per_process=1)):
+        assert_no_credentials([job], "the PyTorchJob")
+        text = yaml.safe_dump(job)
+        assert ACCESS_KEY not in text and SECRET_KEY not in text
+        refs = [e for c in _all_containers(job) for e in c["env"] if e["name"].startswith("AWS_")]
+        assert refs and all(e["valueFrom"]["secretKeyRef"]["name"] == "mlpipeline-minio-artifact" for e in refs)
+    assert_no_credentials(render_chart("--set", "pytorchJob.enabled=true", "--set", "pytorchJob.phase=federation"), "the chart")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from deploytools import ALL_ON, MANIFESTS, containers, pod_specs
+from deploytools import ALL_ON, MANIFESTS, containers, pod_specs, sample_pytorchjob
 
-RENDERS = ["chart-default", "chart-all-on", "chart-no-schedule-no-monitoring", "kustomize-base", "kustomize-overlay"]
+RENDERS = ["chart-default", "chart-all-on", "chart-no-schedule-no-monitoring", "kustomize-base", "kustomize-overlay",
+           "pytorchjob-cpu", "pytorchjob-gpu"]
 
 
 @pytest.fixture(params=RENDERS)
@@ -18,6 +19,9 @@ def workloads(request, render_chart, build_kustomization, kustomize_overlay) -> 
         ),
         "kustomize-base": lambda: build_kustomization(MANIFESTS),
         "kustomize-overlay": lambda: build_kustomization(kustomize_overlay),
+        # A phase's PyTorchJob, as the pipeline's launcher task renders it (fedpipe.pipelines.pytorchjob).
+        "pytorchjob-cpu": lambda: [sample_pytorchjob()],
+        "pytorchjob-gpu": lambda: [sample_pytorchjob(nodes=4, processes_per_node=2, gpus_per_process=1)],
     }[request.param]()
     found = pod_specs(docs)
     assert found, f"{request.param} renders no workload"

@@ -143,3 +143,49 @@ app.kubernetes.io/part-of: fedpipe
   resources:
     {{- toYaml $ctx.Values.register.resources | nindent 4 }}
 {{- end }}
+
+{{/* Egress rules every training pod needs: name resolution, the artifact store (run state,
+     checkpoints, reports) and, when the chart runs one, the Pushgateway (per-round metrics). */}}
+{{- define "fedpipe.storageEgress" -}}
+{{- $np := .Values.networkPolicy -}}
+# Name resolution.
+- to:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: {{ $np.dns.namespace }}
+      podSelector:
+        matchLabels:
+          {{- toYaml $np.dns.podLabels | nindent 10 }}
+  ports:
+    - protocol: UDP
+      port: 53
+    - protocol: TCP
+      port: 53
+# The artifact store.
+- to:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: {{ $np.storage.namespace }}
+      podSelector:
+        matchLabels:
+          {{- toYaml $np.storage.podLabels | nindent 10 }}
+  ports:
+    - protocol: TCP
+      port: {{ $np.storage.port }}
+{{- if .Values.pushgateway.enabled }}
+# Per-round metrics.
+- to:
+    - podSelector:
+        matchLabels:
+          {{- include "fedpipe.selectorLabels" (dict "ctx" . "component" "pushgateway") | nindent 10 }}
+  ports:
+    - protocol: TCP
+      port: {{ .Values.pushgateway.port }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of a PyTorchJob's pods (fedpipe.pipelines.pytorchjob.labels): the distributed-phase NetworkPolicy selects them. */}}
+{{- define "fedpipe.distributedPhaseLabels" -}}
+app.kubernetes.io/part-of: fedpipe
+app.kubernetes.io/component: distributed-phase
+{{- end }}
