@@ -116,7 +116,9 @@ class EngineConfig(Section):
     for small models."""
     state_memory_mb: float = Field(1024, gt=0)
     """Clients' persistent states (SuPerFed's local models, pFedMB's alphas, ...) kept in memory up to
-    this size; the least recently used beyond it spill to the store and come back when sampled."""
+    this size; the least recently used beyond it spill to the store (<run>/phases/<phase>/clients/,
+    one immutable object per client and round; checkpoints then refer to them) and come back when
+    the client is used again."""
     channels_last: Literal["auto", "on", "off"] = "auto"
     """Images in channels-last memory layout (faster convolutions with oneDNN and cuDNN); auto: on for
     convolutional models."""

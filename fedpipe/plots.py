@@ -9,13 +9,14 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 if TYPE_CHECKING:
     from fedpipe.data.partition import Partition
 
 _ANNOTATE_MAX_CELLS = 400  # write counts into the cells only when the grid is this small
 _TICK_EVERY_ROW_MAX = 40  # label every client / class up to this many rows / columns
+_HEATMAP_MAX_ROWS = 500  # beyond this many clients the heatmap shows an evenly spaced sample of them
 
 
 def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path, title: str | None = None) -> Path:
@@ -23,10 +24,18 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
 
     Opt-out clients are marked in a red strip beside the heatmap (and their tick labels are red when
     every client is labelled). Small grids carry the counts in the cells; large ones (hundreds of
-    clients) get thin rows, a thinned axis and no cell text. Returns the path written."""
+    clients) get thin rows, a thinned axis and no cell text. Beyond _HEATMAP_MAX_ROWS clients (at
+    10,000 a row is a fraction of a pixel) an evenly spaced sample of that many rows is drawn,
+    labelled with the clients' ids, and the subtitle says so. Returns the path written."""
     counts = partition.label_counts(labels)
+    total = counts.shape[0]
+    clients = list(partition.clients)
+    sampled = total > _HEATMAP_MAX_ROWS
+    if sampled:
+        rows_shown = np.unique(np.linspace(0, total - 1, _HEATMAP_MAX_ROWS).round().astype(np.int64))
+        counts, clients = counts[rows_shown], [clients[i] for i in rows_shown]
     k, c = counts.shape
-    opt_out = np.array([cl.opt_out for cl in partition.clients], dtype=bool)
+    opt_out = np.array([cl.opt_out for cl in clients], dtype=bool)
     show_opt = bool(opt_out.any())
 
     width = float(np.clip(2.5 + 0.32 * c, 6.0, 18.0))
@@ -58,6 +67,8 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
                 tick.set_color("tab:red")
     else:
         ax.yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+        if sampled:  # a row is not a client id any more: label rows with the ids they show
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(clients[int(v)].id) if 0 <= int(v) < k else ""))
 
     if k * c <= _ANNOTATE_MAX_CELLS:
         top = counts.max() if counts.size else 0
@@ -81,6 +92,8 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
         ax_opt.set_ylabel("client")
         if k > _TICK_EVERY_ROW_MAX:
             ax_opt.yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+            if sampled:
+                ax_opt.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(clients[int(v)].id) if 0 <= int(v) < k else ""))
         else:
             ax_opt.set_yticks(np.arange(k))
             ax_opt.set_yticklabels([str(cl.id) for cl in partition.clients], fontsize=7 if k > 20 else 9)
@@ -92,10 +105,12 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
         ax.set_ylabel("client")
 
     scheme = getattr(partition.config, "scheme", "?")
-    n_opt = int(opt_out.sum())
-    subtitle = f"{partition.dataset}: {k} clients, {c} classes, scheme {scheme}, seed {partition.seed}"
+    n_opt = sum(cl.opt_out for cl in partition.clients)
+    subtitle = f"{partition.dataset}: {total} clients, {c} classes, scheme {scheme}, seed {partition.seed}"
     if n_opt:
         subtitle += f", {n_opt} opt-out"
+    if sampled:
+        subtitle += f"\n{k} of the {total} clients shown, evenly spaced by id"
     fig.suptitle(title or subtitle, fontsize=11)
     if title:
         ax.set_title(subtitle, fontsize=8)

@@ -246,7 +246,7 @@ class Run:
             raise ConfigError(f"method {self.cfg.method.name!r} has no phase {phase_name!r}; its phases are: {', '.join(names)}.")
         self.check_record(create=False)
         phase = phases[names.index(phase_name)]
-        ckpt = Checkpoints(self.store, self.paths.run_id, phase.name)
+        ckpt = self.checkpoints(phase.name)
         device = group.device if group is not None else self.device
         if ckpt.has_final():
             log.info("Phase %s of run %s already finished; reusing its state.", phase.name, self.paths.run_id)
@@ -258,13 +258,15 @@ class Run:
         if index == 0:
             start = PhaseState(self.cfg.method.name, "init", 0, ServerState(initial), {}, self.cfg.fingerprint())
         else:
-            start = Checkpoints(self.store, self.paths.run_id, names[index - 1]).load_final(device)
+            start = self.checkpoints(names[index - 1]).load_final(device)
         partition = self.load_partition()
         data = prepare_data(self.bundle, partition, device)
         resumed = ckpt.latest_good(device)
         if resumed is not None and resumed.round >= start.round:
             log.info("Resuming phase %s of run %s after round %d.", phase.name, self.paths.run_id, resumed.round)
             start = resumed
+        # the clients' states within engine.state_memory_mb, the rest spilled into this phase's folder
+        start.clients = ckpt.client_states(start.clients, device)
         announce(partition)
         train_round = None
         if group is not None:
@@ -273,10 +275,15 @@ class Run:
             log.info("Phase %s runs over %d processes (%s).", phase.name, group.world, torch.distributed.get_backend())
         try:
             with Telemetry(telemetry_sinks if telemetry_sinks is not None else self.default_sinks(phase.name)) as telemetry:
-                return run_phase(self.cfg, algorithm, phase, data, start, ckpt, telemetry, self.labels(phase.name), train_round)
+                state = run_phase(self.cfg, algorithm, phase, data, start, ckpt, telemetry, self.labels(phase.name), train_round)
         finally:
             if group is not None:
                 ranks.stop()
+        log.info("Phase %s: client states %s", phase.name, getattr(state.clients, "stats", len(state.clients)))
+        return state
+
+    def checkpoints(self, phase: str) -> Checkpoints:
+        return Checkpoints(self.store, self.paths.run_id, phase, self.cfg.engine.state_memory_mb)
 
     def default_sinks(self, phase: str) -> list:
         sinks: list = [JsonlSink(self.store, self.paths.rounds(phase))]
@@ -296,7 +303,7 @@ class Run:
 
         self.check_record(create=False)
         phases = self.phases()
-        state = Checkpoints(self.store, self.paths.run_id, phases[-1].name).load_final(self.device)
+        state = self.checkpoints(phases[-1].name).load_final(self.device)
         algorithm, _ = self.build_algorithm()
         data = prepare_data(self.bundle, self.load_partition(), self.device)
         summary = write_report(self, algorithm, state, data, phases)

@@ -31,6 +31,7 @@ from fedpipe.data.partition import (
     pathological_shards,
     random_class_shares,
     semantic_groups,
+    with_replacement,
 )
 from fedpipe.errors import DataError
 from fedpipe.plots import partition_heatmap
@@ -399,6 +400,54 @@ def test_semantic_groups_emnist_like_families():
     assert (sizes <= 800).all() and (sizes >= 100).sum() >= sizes.size - 5
 
 
+# --- with_replacement ------------------------------------------------------------------------------
+
+
+@FAST
+@given(
+    data=labelled(min_per_class=0, max_per_class=60),
+    k=st.integers(1, 60),
+    n=st.integers(1, 80),
+    alpha=st.one_of(st.none(), st.floats(0.01, 100.0)),
+    seed=st.integers(0, 1000),
+)
+def test_with_replacement_sizes_and_classes(data, k, n, alpha, seed):
+    labels, c = data
+    kw = dict(num_clients=k, samples_per_client=n, alpha=alpha)
+    if n > labels.size:
+        with pytest.raises(DataError, match="samples_per_client"):
+            with_replacement(labels, c, np.random.default_rng(seed), **kw)
+        return
+    parts = with_replacement(labels, c, np.random.default_rng(seed), **kw)
+    assert len(parts) == k
+    sizes = np.bincount(labels, minlength=c)
+    for part in parts:
+        assert part.size == n  # sizes as configured
+        assert_disjoint_in_range([part], labels.size)  # distinct inside a client
+        assert (np.bincount(labels[part], minlength=c) <= sizes).all()  # no class gives more than it has
+    again = with_replacement(labels, c, np.random.default_rng(seed), **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_with_replacement_shares_samples_beyond_the_pool():
+    labels = make_labels([400] * 10, 0)  # mnist5k's pool: 4,000 samples
+    parts = with_replacement(labels, 10, np.random.default_rng(0), num_clients=10_000, samples_per_client=20)
+    everything = np.concatenate(parts)
+    assert everything.size == 200_000 and np.unique(everything).size <= labels.size  # far more than the pool
+    assert max(np.bincount(labels[p], minlength=10).max() / p.size for p in parts[:200]) < 0.6  # IID clients
+
+
+def test_with_replacement_alpha_skews_labels():
+    labels = make_labels([400] * 10, 0)
+    skewed = with_replacement(labels, 10, np.random.default_rng(0), num_clients=200, samples_per_client=40, alpha=0.05)
+    top_share = [np.bincount(labels[p], minlength=10).max() / p.size for p in skewed]
+    assert np.median(top_share) > 0.8
+    # a class that cannot supply the share Dir(alpha) asked for gives what it has, the rest goes elsewhere
+    small = make_labels([3, 200], 1)
+    for part in with_replacement(small, 2, np.random.default_rng(2), num_clients=50, samples_per_client=20, alpha=0.05):
+        assert part.size == 20 and np.bincount(small[part], minlength=2)[0] <= 3
+
+
 # --- make_partition --------------------------------------------------------------------------------
 
 SCHEME_CONFIGS = [
@@ -409,6 +458,8 @@ SCHEME_CONFIGS = [
     {"scheme": "majority_class", "num_clients": 8, "p": 0.8, "samples_per_client": 12},
     {"scheme": "random_class_shares", "num_clients": 8, "classes_per_client": 3},
     {"scheme": "semantic_groups", "num_groups": 3, "client_size_min": 15, "client_size_max": 40},
+    {"scheme": "with_replacement", "num_clients": 400, "samples_per_client": 12},
+    {"scheme": "with_replacement", "num_clients": 30, "samples_per_client": 20, "alpha": 0.3},
 ]
 
 
@@ -430,9 +481,14 @@ def test_make_partition_properties(cfg, sizes, seed, val, test, gtf, q, official
     part = make_partition(bundle, cfg, seed)
     assert part.num_clients == len(part.clients) >= 1
     rows = [a for c in part.clients for a in (c.train, c.val, c.test)]
-    everything = assert_disjoint_in_range(
-        rows + ([part.global_test_indices] if part.global_test_indices is not None else []), labels.size
-    )
+    held_out = [part.global_test_indices] if part.global_test_indices is not None else []
+    if part.config.clients_share_samples:  # every sample in at most one client: except where clients share
+        for c in part.clients:
+            assert_disjoint_in_range([c.train, c.val, c.test, *held_out], labels.size)
+            assert c.size == cfg["samples_per_client"]
+        everything = np.concatenate(rows + held_out)
+    else:
+        everything = assert_disjoint_in_range(rows + held_out, labels.size)
     if official:
         assert part.global_test_indices is None
     else:
@@ -539,6 +595,7 @@ def test_mnist5k_pathological_twenty_clients():
         ({"scheme": "semantic_groups", "num_groups": 8}, ["num_groups=8", "at most 5"]),
         ({"scheme": "semantic_groups", "num_groups": 2, "label_families": [[0, 1], [9]]}, ["label 9"]),
         ({"scheme": "iid", "num_clients": 101}, ["num_clients=101"]),
+        ({"scheme": "with_replacement", "num_clients": 5, "samples_per_client": 101}, ["samples_per_client=101", "at most 100"]),
         ({"scheme": "iid", "num_clients": 4, "opt_out_fraction": 0.9}, ["opt_out_fraction"]),
     ],
 )
@@ -656,6 +713,36 @@ def test_corrupted_manifests_are_rejected(sample, edit, words):
         assert word in str(info.value)
 
 
+@pytest.fixture(scope="module")
+def shared_sample():
+    labels = make_labels([30] * 6, 3)
+    part = make_partition(bundle_of(labels, 6), {"scheme": "with_replacement", "num_clients": 40, "samples_per_client": 10}, 5)
+    return part
+
+
+def test_manifest_of_clients_sharing_samples(shared_sample):
+    manifest = shared_sample.to_manifest()
+    assert Partition.from_manifest(manifest) == shared_sample  # shared samples are no error here
+    rows = [np.concatenate([c.train, c.val, c.test]) for c in shared_sample.clients]
+    assert np.unique(np.concatenate(rows)).size < sum(r.size for r in rows)
+
+    def inside_one_client(m):
+        client = m["clients"][0]
+        client["indices"]["test"][0] = client["indices"]["train"][0]
+
+    def into_global_test(m):
+        m["clients"][2]["indices"]["val"][0] = m["global_test"]["indices"][0]
+
+    for edit, words in [
+        (inside_one_client, ["used more than once", "clients[0].indices.train", "clients[0].indices.test"]),
+        (into_global_test, ["used more than once", "clients[2].indices.val", "global_test.indices"]),
+    ]:
+        with pytest.raises(ValidationError) as info:
+            Partition.from_manifest(_corrupt(manifest, edit))
+        for word in words:
+            assert word in str(info.value)
+
+
 def test_check_matches_detects_other_data(sample):
     bundle, part = sample
     part.check_matches(bundle)
@@ -678,3 +765,16 @@ def test_heatmap_writes_a_png(tmp_path, k):
     out = partition_heatmap(part, labels, tmp_path / f"heat{k}.png", title=f"{k} clients")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_heatmap_of_ten_thousand_clients_stays_bounded(tmp_path):
+    from PIL import Image
+
+    labels = make_labels([600] * 10, 0)
+    part = make_partition(bundle_of(labels, 10), {"scheme": "with_replacement", "num_clients": 10_000, "samples_per_client": 10}, 0)
+    start = time.perf_counter()
+    big = partition_heatmap(part, labels, tmp_path / "heat10000.png")
+    assert time.perf_counter() - start < 10
+    few = make_partition(bundle_of(labels, 10), {"scheme": "with_replacement", "num_clients": 500, "samples_per_client": 10}, 0)
+    small = partition_heatmap(few, labels, tmp_path / "heat500.png")
+    assert Image.open(big).size == Image.open(small).size  # 500 sampled rows: the figure of 500 clients

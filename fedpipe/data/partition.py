@@ -6,7 +6,7 @@ A partition is made in three steps (`make_partition`):
    hold-out of `global_test_fraction` of the training pool (per class, largest-remainder rounding).
 2. The rest of the pool is divided over clients by one scheme (a partitioner function, see
    `PARTITIONERS`): `iid`, `pathological`, `classes_per_client`, `dirichlet`, `majority_class`,
-   `random_class_shares`, `semantic_groups`.
+   `random_class_shares`, `semantic_groups`, `with_replacement`.
 3. Each client's samples are shuffled and split into train / validation / test
    (`val_fraction`, `test_fraction`, both rounded down, the training split keeps the rest), and
    `round(opt_out_fraction * K)` clients chosen at random are flagged opt-out.
@@ -18,6 +18,14 @@ Every index in a `Partition` is a row of `bundle.train`.
 Partitioner functions share one signature,
 ``fn(labels, num_classes, rng, **scheme_params) -> list[np.ndarray]``: per-client arrays of
 positions into `labels`, disjoint; samples that a scheme leaves unused belong to no client.
+
+One scheme is the exception: `with_replacement` lets clients share samples (sampling with
+replacement across clients, without replacement inside one client), so a small pool can stand in
+for a population far larger than it (10,000 clients over mnist5k's 4,000 pool samples). Its configs
+say so with `clients_share_samples`; the manifest then checks that each client's own indices are
+distinct and that no client holds a global-test sample, instead of "every sample at most once".
+It is a scheme of its own, not a flag on `iid`/`dirichlet`, so those configs, their fingerprints
+and their partitions stay exactly what they were.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
@@ -67,6 +75,8 @@ __all__ = [
     "pathological_shards",
     "random_class_shares",
     "semantic_groups",
+    "with_replacement",
+    "WithReplacementPartition",
 ]
 
 MANIFEST_FORMAT = "fedpipe.partition"
@@ -120,6 +130,8 @@ class _PartitionBase(Section):
                 "below 1 so that every client keeps training samples; lower one of them."
             )
         return self
+
+    clients_share_samples: ClassVar[bool] = False  # True: a sample may belong to several clients
 
     def partitioner_params(self) -> dict[str, Any]:
         """The keyword arguments of this scheme's partitioner function (its own fields)."""
@@ -257,6 +269,30 @@ class SemanticGroupsPartition(_PartitionBase):
         return self
 
 
+class WithReplacementPartition(_FixedClientsBase):
+    """Clients draw their samples independently, so one sample may belong to several clients
+    (a large population over a small dataset, e.g. 10,000 clients over mnist5k)."""
+
+    scheme: Literal["with_replacement"] = "with_replacement"
+    """The partition scheme: `with_replacement`: sampling with replacement across clients, without
+    replacement inside a client (a client's samples are distinct). No global-test sample is drawn."""
+
+    clients_share_samples: ClassVar[bool] = True
+
+    num_clients: int = Field(100, ge=1)
+    """Number of clients K, at least 1; may exceed the pool size, since clients share samples."""
+
+    samples_per_client: int = Field(20, ge=1)
+    """Samples n every client draws (before its train/val/test split), at least 1 and at most the
+    pool size. Every client has exactly n samples."""
+
+    alpha: float | None = Field(None, gt=0.0)
+    """None: each client draws uniformly from the whole pool (IID clients). A number > 0: label skew
+    as in `dirichlet`: each client's class proportions are drawn from Dir(alpha) over the classes and
+    its n samples apportioned to them (largest remainder; a class cannot give more than it holds,
+    the rest goes to the other classes in proportion). Small alpha (0.1): one or two classes per client."""
+
+
 PartitionConfig = Annotated[
     (
         IidPartition
@@ -266,6 +302,7 @@ PartitionConfig = Annotated[
         | MajorityClassPartition
         | RandomClassSharesPartition
         | SemanticGroupsPartition
+        | WithReplacementPartition
     ),
     Field(discriminator="scheme"),
 ]
@@ -761,6 +798,64 @@ def semantic_groups(
     return [clients[i] for i in rng.permutation(len(clients))]
 
 
+def _capped_apportion(total: int, weights: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """`_apportion` with an upper bound per slot: what a full slot cannot take goes to the slots with
+    room, in proportion to their weights (to their room when all of those weights are zero).
+    Needs total <= caps.sum()."""
+    counts = np.minimum(_apportion(total, weights), caps)
+    while (left := total - int(counts.sum())) > 0:
+        room = caps - counts
+        open_ = room > 0
+        w = np.where(open_, weights, 0.0)
+        if w.sum() <= 0:
+            w = room.astype(np.float64)
+        counts += np.minimum(_apportion(left, w), room)
+    return counts
+
+
+def with_replacement(
+    labels: np.ndarray,
+    num_classes: int,
+    rng: np.random.Generator,
+    *,
+    num_clients: int,
+    samples_per_client: int = 20,
+    alpha: float | None = None,
+) -> list[np.ndarray]:
+    """Every client draws `samples_per_client` distinct samples of the pool on its own, so clients
+    may share samples and K may exceed the pool (the usual way to simulate thousands of clients on a
+    small dataset). alpha None: uniform draws (IID clients). alpha > 0: the client's class
+    proportions ~ Dir(alpha) over the classes present, its n samples apportioned to them
+    (`_capped_apportion`: never more of a class than the pool holds), then drawn within each class.
+    Clients are drawn one after another from `rng`, so client i does not depend on K."""
+    labels = _check_labels(labels, num_classes)
+    n, pool = samples_per_client, labels.size
+    if num_clients < 1:
+        raise DataError(f"partition.num_clients must be at least 1, got {num_clients}.")
+    if n < 1 or n > pool:
+        raise DataError(
+            f"partition.samples_per_client={n} must lie between 1 and the {pool} samples of the pool "
+            f"(a client's samples are distinct); set it to at most {pool}."
+        )
+    if alpha is None:
+        return [np.sort(rng.choice(pool, n, replace=False)) for _ in range(num_clients)]
+    if alpha <= 0:
+        raise DataError(f"partition.alpha must be above 0, got {alpha}.")
+    sizes = np.bincount(labels, minlength=num_classes)
+    present = np.flatnonzero(sizes)
+    by_class = [np.flatnonzero(labels == c) for c in present]
+    out = []
+    for _ in range(num_clients):
+        props = rng.dirichlet(np.full(present.size, alpha))
+        if not np.all(np.isfinite(props)) or props.sum() <= 0:  # underflow at tiny alpha
+            props = np.zeros(present.size)
+            props[rng.integers(present.size)] = 1.0
+        counts = _capped_apportion(n, props, sizes[present])
+        parts = [rng.choice(rows, k, replace=False) for rows, k in zip(by_class, counts, strict=True) if k]
+        out.append(np.sort(np.concatenate(parts)))
+    return out
+
+
 Partitioner = Callable[..., list[np.ndarray]]
 
 #: Scheme name (the config's `scheme`) -> partitioner function.
@@ -772,6 +867,7 @@ PARTITIONERS: dict[str, Partitioner] = {
     "majority_class": majority_class,
     "random_class_shares": random_class_shares,
     "semantic_groups": semantic_groups,
+    "with_replacement": with_replacement,
 }
 
 
@@ -1061,7 +1157,9 @@ class _Manifest(_ManifestPart):
                 f"{len(shifted)} clients have a transform ({sorted(set(shifted))}) but scheme.feature_shift="
                 f"{list(self.scheme.feature_shift)} with fraction {self.scheme.feature_shift_fraction} means {expected_shifted}"
             )
-        # every index in range, and used once across all clients, splits and the global test hold-out
+        # every index in range, and used once across all clients, splits and the global test hold-out;
+        # where clients share samples (with_replacement): once inside each client, and never in a
+        # client and the global test set
         arrays, owners = [], []
         for client in self.clients:
             for split in ("train", "val", "test"):
@@ -1077,13 +1175,30 @@ class _Manifest(_ManifestPart):
             raise ValueError(
                 f"{owners[where]}: index {everything.max()} is out of range (pool_size is {self.pool_size})"
             )
-        values, counts = np.unique(everything, return_counts=True)
-        if values.size != everything.size:
-            dup = int(values[np.argmax(counts > 1)])
-            places = np.flatnonzero(everything == dup)
-            where = [owners[int(np.searchsorted(np.cumsum(lengths), p, side="right"))] for p in places]
-            raise ValueError(f"index {dup} is used more than once: in {' and '.join(where)}")
+        if not self.scheme.clients_share_samples:
+            _no_index_twice(arrays, owners)
+            return self
+        for i in range(len(self.clients)):
+            _no_index_twice(arrays[3 * i : 3 * i + 3], owners[3 * i : 3 * i + 3])
+        if self.global_test.indices is not None:
+            held_out = np.isin(everything[: -arrays[-1].size or None], arrays[-1])
+            if held_out.any():
+                first = int(np.argmax(held_out))
+                where = owners[int(np.searchsorted(np.cumsum(lengths), first, side="right"))]
+                raise ValueError(f"index {everything[first]} is used more than once: in {where} and global_test.indices")
         return self
+
+
+def _no_index_twice(arrays: list[np.ndarray], owners: list[str]) -> None:
+    """Raise ValueError naming the first index that occurs twice in `arrays` and where it occurs."""
+    lengths = np.array([a.size for a in arrays])
+    everything = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    values, counts = np.unique(everything, return_counts=True)
+    if values.size != everything.size:
+        dup = int(values[np.argmax(counts > 1)])
+        places = np.flatnonzero(everything == dup)
+        where = [owners[int(np.searchsorted(np.cumsum(lengths), p, side="right"))] for p in places]
+        raise ValueError(f"index {dup} is used more than once: in {' and '.join(where)}")
 
 
 # ================================================================================================

@@ -2,6 +2,12 @@
 
 A state is plain tensors in nested dicts, saved with `torch.save` and read back with
 `torch.load(weights_only=True)`, so loading an artifact never runs pickled code.
+
+Clients' states live in a `ClientStates` (fedpipe.engine.client_states) bound to the phase's folder
+and the run's memory budget: a checkpoint either holds them inline (few and small, as always) or
+refers to objects under ``<run>/phases/<phase>/clients/`` (format 2), read back only when a client is
+used. Such a checkpoint is not self-contained: it needs the run's store, which every step and every
+pipeline task of a run shares anyway.
 """
 
 from __future__ import annotations
@@ -9,17 +15,20 @@ from __future__ import annotations
 import io
 import logging
 import re
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
 
 from fedpipe.algorithms.base import Params, ServerState
+from fedpipe.engine.client_states import ClientStates
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store.base import Store
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 1  # clients inline
+FORMAT_REFS = 2  # some clients as references to objects in the store ("client_refs")
 
 
 @dataclass
@@ -32,38 +41,60 @@ class PhaseState:
     phase: str  # the phase that produced this state ("init" before any)
     round: int
     server: ServerState
-    clients: dict[int, Params] = field(default_factory=dict)
+    clients: MutableMapping[int, Params] = field(default_factory=dict)  # a dict, or a ClientStates
     config_fingerprint: str = ""
 
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        # states set from now on are produced by the round after the last finished one (their keys say so)
+        if name in ("round", "clients") and isinstance(self.__dict__.get("clients"), ClientStates) and "round" in self.__dict__:
+            self.clients.round = self.round + 1
+
     def to_bytes(self) -> bytes:
+        if isinstance(self.clients, ClientStates):
+            inline, refs = self.clients.checkpoint_parts()  # may first write changed states to the store
+        else:
+            inline, refs = dict(self.clients), {}
+        d = {
+            "format": FORMAT_REFS if refs else FORMAT,
+            "method": self.method,
+            "phase": self.phase,
+            "round": self.round,
+            "config_fingerprint": self.config_fingerprint,
+            "global": _cpu(self.server.global_params),
+            "server_clients": {k: _cpu(v) for k, v in self.server.per_client.items()},
+            "clients": {k: _cpu(v) for k, v in inline.items()},
+        }
+        if refs:
+            d["client_refs"] = refs
         buf = io.BytesIO()
-        torch.save(
-            {
-                "format": FORMAT,
-                "method": self.method,
-                "phase": self.phase,
-                "round": self.round,
-                "config_fingerprint": self.config_fingerprint,
-                "global": _cpu(self.server.global_params),
-                "server_clients": {k: _cpu(v) for k, v in self.server.per_client.items()},
-                "clients": {k: _cpu(v) for k, v in self.clients.items()},
-            },
-            buf,
-        )
+        torch.save(d, buf)
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu", where: str = "state") -> PhaseState:
+    def from_bytes(cls, data: bytes, device: torch.device | str = "cpu", where: str = "state",
+                   clients: Callable[[int, dict, dict], MutableMapping[int, Params]] | None = None) -> PhaseState:
+        """`clients(round, inline, refs)` builds the clients' mapping (`Checkpoints` binds it to the
+        store); without it the clients come back as a dict, and a state with references is refused."""
         try:
             d = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-            if d.get("format") != FORMAT:
+            if d.get("format") not in (FORMAT, FORMAT_REFS):
                 raise ValueError(f"unknown state format {d.get('format')!r}")
+            round_ = int(d["round"])
+            inline = {int(k): dict(v) for k, v in d["clients"].items()}
+            refs = {int(k): list(v) for k, v in d.get("client_refs", {}).items()}
+            if clients is not None:
+                kept = clients(round_, inline, refs)
+            elif refs:
+                raise ValueError("it refers to client states in the store; read it through Checkpoints")
+            else:
+                kept = inline
             return cls(
                 method=d["method"],
                 phase=d["phase"],
-                round=int(d["round"]),
+                round=round_,
                 server=ServerState(dict(d["global"]), {int(k): dict(v) for k, v in d["server_clients"].items()}),
-                clients={int(k): dict(v) for k, v in d["clients"].items()},
+                clients=kept,
                 config_fingerprint=d.get("config_fingerprint", ""),
             )
         except Exception as e:  # any unreadable content is a bad artifact, reported as such
@@ -81,14 +112,19 @@ class Checkpoints:
     """Per-round checkpoints of one phase, and its final state, in the store.
 
     Layout: <run>/phases/<phase>/round-00007.pt while the phase runs, <run>/phases/<phase>/final.pt
-    when it is done (the checkpoints are then removed).
+    when it is done (the checkpoints are then removed), and <run>/phases/<phase>/clients/ for the
+    clients' states that did not fit in `state_memory_mb` (see `ClientStates`). An object there is
+    deleted once no kept checkpoint (or the final state) refers to it.
     """
 
     ROUND = re.compile(r"round-(\d+)\.pt$")
 
-    def __init__(self, store: Store, run_id: str, phase: str):
+    def __init__(self, store: Store, run_id: str, phase: str, state_memory_mb: float = 1024):
         self.store = store
         self.prefix = f"{run_id}/phases/{phase}/"
+        self.clients_prefix = self.prefix + "clients/"
+        self.budget_bytes = max(1, int(state_memory_mb * 2**20))
+        self._refs: dict[str, set[str]] = {}  # checkpoint key -> the client objects it refers to
 
     @property
     def final_key(self) -> str:
@@ -98,19 +134,74 @@ class Checkpoints:
         found = [(int(m.group(1)), k) for k in self.store.list(self.prefix) if (m := self.ROUND.search(k))]
         return sorted(found)
 
+    def client_states(self, states: Mapping[int, Params] | None, device: torch.device | str) -> ClientStates:
+        """`states` (a dict, or another phase's ClientStates) as this phase's ClientStates: within the
+        budget, spilling into this phase's folder. Nothing is read or copied."""
+        return ClientStates(self.store, self.clients_prefix, self.budget_bytes, device).adopt(states or {})
+
+    def _read(self, key: str, device: torch.device | str) -> PhaseState:
+        where = self.store.url(key)
+
+        def clients(round_: int, inline: dict, refs: dict) -> ClientStates:
+            return ClientStates.restore(self.store, self.clients_prefix, self.budget_bytes, device, round_, inline, refs)
+
+        state = PhaseState.from_bytes(self.store.get(key), device, where=where, clients=clients)
+        refs = state.clients.referenced_keys()
+        missing = sorted(refs - self._existing(refs))
+        if missing:
+            raise CorruptArtifactError(
+                f"{where} refers to {len(missing)} saved client state(s) that are not in the store (the first: "
+                f"{self.store.url(missing[0])}): they were deleted or never finished writing."
+            )
+        self._refs[key] = refs
+        return state
+
+    def _existing(self, keys: set[str]) -> set[str]:
+        """Which of `keys` exist: one listing per folder, not one request per object."""
+        folders = {k.rsplit("/", 1)[0] + "/" for k in keys}
+        return {k for folder in folders for k in self.store.list(folder)} & keys
+
+    def _refs_of(self, key: str) -> set[str]:
+        """The client objects checkpoint `key` refers to (read once; nothing is restored)."""
+        if key not in self._refs:
+            found: set[str] = set()
+
+            def note(round_: int, inline: dict, refs: dict) -> dict:
+                found.update(ref[0] for ref in refs.values())
+                return {}
+
+            try:
+                PhaseState.from_bytes(self.store.get(key), "cpu", where=self.store.url(key), clients=note)
+            except StoreError:  # damaged or gone: never resumed from, so it keeps nothing alive
+                pass
+            self._refs[key] = found
+        return self._refs[key]
+
+    def _collect(self, kept: list[str]) -> None:
+        """Delete this phase's client objects that none of the checkpoints `kept` refers to (objects
+        of earlier phases are theirs to keep)."""
+        needed = set().union(*(self._refs_of(k) for k in kept)) if kept else set()
+        for key in self.store.list(self.clients_prefix):
+            if key not in needed:
+                self.store.delete(key)
+        self._refs = {k: v for k, v in self._refs.items() if k in kept}
+
     def save_round(self, state: PhaseState, keep: int) -> None:
-        self.store.put(f"{self.prefix}round-{state.round:05d}.pt", state.to_bytes())
-        for _, key in self.round_keys()[:-keep]:
-            self.store.delete(key)
+        key = f"{self.prefix}round-{state.round:05d}.pt"
+        self.store.put(key, state.to_bytes())
+        self._refs[key] = _references(state)
+        for _, old in self.round_keys()[:-keep]:
+            self.store.delete(old)
+        self._collect([k for _, k in self.round_keys()])
 
     def latest_good(self, device: torch.device | str) -> PhaseState | None:
-        """The newest checkpoint that reads back intact; damaged ones are reported and skipped.
-        None when the phase has no checkpoint; an error when it has some but none is intact (starting
-        the phase over silently would hide the damage)."""
+        """The newest checkpoint that reads back intact (and whose client objects all exist); damaged
+        ones are reported and skipped. None when the phase has no checkpoint; an error when it has
+        some but none is intact (starting the phase over silently would hide the damage)."""
         keys = self.round_keys()
         for rnd, key in reversed(keys):
             try:
-                return PhaseState.from_bytes(self.store.get(key), device, where=self.store.url(key))
+                return self._read(key, device)
             except CorruptArtifactError as e:
                 log.warning("Skipping damaged checkpoint of round %d: %s", rnd, e)
         if keys:
@@ -123,8 +214,10 @@ class Checkpoints:
 
     def save_final(self, state: PhaseState) -> None:
         self.store.put(self.final_key, state.to_bytes())
+        self._refs[self.final_key] = _references(state)
         for _, key in self.round_keys():
             self.store.delete(key)
+        self._collect([self.final_key])
 
     def has_final(self) -> bool:
         return self.store.exists(self.final_key)
@@ -132,5 +225,8 @@ class Checkpoints:
     def load_final(self, device: torch.device | str) -> PhaseState:
         if not self.has_final():
             raise StoreError(f"{self.store.url(self.final_key)} does not exist: the phase that writes it has not finished. Run it first.")
-        data = self.store.get(self.final_key)
-        return PhaseState.from_bytes(data, device, where=self.store.url(self.final_key))
+        return self._read(self.final_key, device)
+
+
+def _references(state: PhaseState) -> set[str]:
+    return state.clients.referenced_keys() if isinstance(state.clients, ClientStates) else set()
