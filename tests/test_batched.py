@@ -31,9 +31,18 @@ METHODS = {
 
 
 def _close(a: dict, b: dict, what: str) -> None:
+    """Equal within float tolerance, tensor by tensor: ||a - b|| <= 2e-2 ||a||. Not elementwise at
+    1e-6: the batched kernels round differently in the last bits, and a ReLU pre-activation within
+    that rounding of zero (one was found at 5.6e-8 in Ditto's personal update) takes the other side
+    of the kink; that client's trajectory then drifts (6e-3 of the norm after 2 rounds there). A wrong mask, batch
+    or update is off by orders of magnitude more."""
     assert a.keys() == b.keys(), what
     for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), f"{what}: {k} differs by {(a[k] - b[k]).abs().max():.3g}"
+        if not a[k].is_floating_point():  # e.g. IFCA's chosen cluster
+            assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+            continue
+        err = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12))
+        assert err <= 2e-2, f"{what}: {k} differs by {err:.2e} of its norm (max |diff| {(a[k] - b[k]).abs().max():.3g})"
 
 
 @pytest.mark.parametrize("method", METHODS)

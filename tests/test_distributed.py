@@ -68,6 +68,7 @@ def test_clients_go_to_the_least_loaded_rank_largest_first():
     works = [ClientWork(cid, {}, None) for cid in range(5)]
     sizes = {0: 10, 1: 50, 2: 30, 3: 30, 4: 5}
     shares = assign(works, sizes, 2)
-    assert [[w.client_id for w in s] for s in shares] == [[1, 4], [0, 2, 3]]  # loads 55 and 70
+    # 1 (50) -> rank 0; 2 (30) -> 1; 3 (30) -> 1 (30 < 50); 0 (10) -> 0 (50 < 60); 4 (5) -> 0 (tie 60-60: lower rank)
+    assert [[w.client_id for w in s] for s in shares] == [[0, 1, 4], [2, 3]]
     assert sorted(w.client_id for s in shares for w in s) == list(range(5))
     assert torch.tensor([len(s) for s in assign(works, sizes, 8)]).sum() == 5
