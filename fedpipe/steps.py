@@ -195,7 +195,7 @@ class Run:
         threads = self.cfg.run.threads or max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
         port = distributed.free_port()
-        workers = distributed.spawn_workers(self.cfg.model_dump_json(), phase_name, world, port, threads)
+        workers = distributed.spawn_workers(json.dumps(self.cfg.model_dump(mode="json")), phase_name, world, port, threads)
         try:
             group = distributed.join(0, world, "127.0.0.1", port)
             try:

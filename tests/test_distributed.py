@@ -12,8 +12,8 @@ import pytest
 import torch
 from runs import assert_same_params, small_run, train_all
 
-from fedpipe.engine.distributed import assign
 from fedpipe.engine.clients import ClientWork
+from fedpipe.engine.distributed import assign
 
 UNEQUAL = ["partition.scheme=dirichlet", "partition.alpha=0.5", "train.rounds=2", "run.threads=1"]
 

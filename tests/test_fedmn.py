@@ -11,9 +11,9 @@ from fedpipe.algorithms import ALGORITHMS
 from fedpipe.algorithms.base import ClientContext, ServerState, Upload
 from fedpipe.algorithms.fedmn import DECISION, UPLOADED, FedMN, FedMNParams, temperature
 from fedpipe.config import load_config
+from fedpipe.engine.clients import payload_bytes
 from fedpipe.engine.data import ClientData, Split
 from fedpipe.engine.local import train_client
-from fedpipe.engine.clients import payload_bytes
 from fedpipe.engine.seeding import torch_generator
 from fedpipe.errors import ConfigError
 from fedpipe.models import build_model

@@ -21,6 +21,7 @@ it, `engine.processes > 1` starts the extra ranks on this machine (`spawn_worker
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import socket
@@ -38,6 +39,7 @@ from fedpipe.errors import TrainingError
 log = logging.getLogger(__name__)
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a rank silent this long is taken for dead
+STARTUP = datetime.timedelta(minutes=2)  # ranks started on this machine must all have joined by then
 
 
 def launched_by_torchrun() -> bool:
@@ -50,7 +52,8 @@ class Group:
 
     rank: int
     world: int
-    objects: dist.ProcessGroup | None  # gloo group for pickled objects (None: the default group)
+    objects: dist.ProcessGroup  # gloo group for pickled objects
+    tensors: dist.ProcessGroup  # the all-reduce's group (NCCL between GPUs, else gloo)
     device: torch.device
 
 
@@ -65,10 +68,18 @@ def join(rank: int | None = None, world: int | None = None, address: str | None 
     if not dist.is_initialized():
         if rank is None:
             dist.init_process_group(backend, timeout=TIMEOUT)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world, timeout=TIMEOUT)
-    objects = dist.new_group(backend="gloo") if backend == "nccl" else None
-    return Group(dist.get_rank(), dist.get_world_size(), objects, device)
+        else:  # ranks this machine started: one that died at startup must not keep rank 0 waiting long
+            try:
+                dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world, timeout=STARTUP)
+            except RuntimeError as e:
+                raise TrainingError(
+                    f"The {world} processes of this phase did not all start within {STARTUP.seconds} s ({str(e).splitlines()[0]}). "
+                    "Look above for a worker's error; engine.processes=1 trains in this process alone."
+                ) from None
+    # the groups the phase talks over wait as long as a round may take
+    objects = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    tensors = dist.new_group(backend="nccl", timeout=TIMEOUT) if backend == "nccl" else objects
+    return Group(dist.get_rank(), dist.get_world_size(), objects, tensors, device)
 
 
 def leave() -> None:
@@ -136,7 +147,7 @@ class DistributedRound:
         names = sorted(shapes)
         flat = torch.cat([sums.get(k, torch.zeros(shapes[k][0], dtype=torch.float64)).flatten() for k in names]
                          + [torch.tensor([weight], dtype=torch.float64)]).to(self.group.device)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.group.tensors)
         flat = flat.cpu()
         total = float(flat[-1])
         out, at = {}, 0
@@ -211,7 +222,7 @@ def _worker_main(argv: list[str]) -> None:
     from fedpipe.steps import Run
 
     phase, rank, world, port, threads = argv[0], *map(int, argv[1:5])
-    cfg = RunConfig.model_validate_json(sys.stdin.read())
+    cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
     group = join(rank, world, "127.0.0.1", port)

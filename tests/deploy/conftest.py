@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,13 +22,13 @@ from deploytools import (
     CRD_VALIDATORS,
     GET_HELM,
     K8S_VERSION,
-    MANIFESTS,
     NAMESPACE,
     RELEASE,
     SETUP_TEST,
     find_tool,
     parse_docs,
     run_tool,
+    write_overlay,
 )
 
 
@@ -61,21 +60,15 @@ def build_kustomization(kubectl: str) -> Callable[[Path], list[dict]]:
 
 @pytest.fixture(scope="session")
 def kustomize_overlay(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """kustomize takes only relative paths: manifests/ and the dashboard folder it uses are copied,
-    with their layout, into a temp dir beside the overlay."""
-    root = tmp_path_factory.mktemp("kustomize")
-    shutil.copytree(MANIFESTS, root / "manifests")
-    shutil.copytree(CHART / "dashboards", root / "charts" / "fedpipe" / "dashboards")
-    overlay = root / "overlay"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(
+    """A user's overlay of manifests/ with both components and another namespace."""
+    return write_overlay(
+        tmp_path_factory.mktemp("kustomize"),
         "apiVersion: kustomize.config.k8s.io/v1beta1\n"
         "kind: Kustomization\n"
         "namespace: team-a\n"
         "resources:\n  - ../manifests\n"
-        "components:\n  - ../manifests/components/service-monitor\n  - ../manifests/components/schedule\n"
+        "components:\n  - ../manifests/components/service-monitor\n  - ../manifests/components/schedule\n",
     )
-    return overlay
 
 
 @pytest.fixture(scope="session")

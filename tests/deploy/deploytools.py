@@ -206,3 +206,14 @@ def sample_pytorchjob(phase: str = "personalization", *, store: str = "s3://mlpi
         storage=StorageAccess(s3_endpoint="http://minio-service.kubeflow:9000", s3_secret="mlpipeline-minio-artifact",
                               pushgateway=f"http://fedpipe-pushgateway.{NAMESPACE}:9091"),
     )
+
+
+def write_overlay(root: Path, kustomization: str) -> Path:
+    """An overlay folder with `kustomization` beside copies of manifests/ and the dashboard folder it
+    uses (kustomize takes only relative paths, so their layout is kept under `root`)."""
+    shutil.copytree(MANIFESTS, root / "manifests")
+    shutil.copytree(CHART / "dashboards", root / "charts" / "fedpipe" / "dashboards")
+    overlay = root / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(kustomization)
+    return overlay

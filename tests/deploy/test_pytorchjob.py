@@ -15,7 +15,6 @@ import pytest
 import yaml
 from deploytools import (
     CHART,
-    MANIFESTS,
     NAMESPACE,
     containers,
     only,
@@ -24,6 +23,7 @@ from deploytools import (
     pytorchjob_problems,
     run_tool,
     sample_pytorchjob,
+    write_overlay,
 )
 
 from fedpipe.config import load_config
@@ -240,15 +240,10 @@ def test_network_policies_let_the_launcher_reach_the_api_server_and_the_ranks_re
 
 
 def test_kustomize_component_grants_the_same(build_kustomization, validate_k8s, tmp_path):
-    import shutil
-
-    shutil.copytree(MANIFESTS, tmp_path / "manifests")
-    shutil.copytree(CHART / "dashboards", tmp_path / "charts" / "fedpipe" / "dashboards")
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(
+    overlay = write_overlay(
+        tmp_path,
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        "resources:\n  - ../manifests\ncomponents:\n  - ../manifests/components/pytorchjob\n"
+        "resources:\n  - ../manifests\ncomponents:\n  - ../manifests/components/pytorchjob\n",
     )
     docs = build_kustomization(overlay)
     validate_k8s(docs)
