@@ -101,9 +101,8 @@ def measure(overrides: list[str], store: Path, phase: str = "federation") -> dic
     cfg = load_config(None, [*overrides, f"run.store={store}", "run.id=bench", "telemetry.progress=false", "eval.every=0"])
     run = Run(cfg)
     run.partition()
-    for p in run.phases():
-        if p.rounds:
-            run.train(p.name)
+    for p in run.phases():  # a phase without rounds hands its input state on unchanged
+        run.train(p.name)
         if p.name == phase:
             break
     lines = [json.loads(line) for line in (store / "bench" / "report" / f"rounds-{phase}.jsonl").read_text().splitlines()]
@@ -171,6 +170,7 @@ def main() -> None:
             gflops = result["samples_per_second"] * flops_per_sample(model, shape, batch) / 1e9
             rows.append({"model": model, "batch": batch, "clients": clients, "way": way, **result, "gflops": gflops, "of_peak": gflops / peak})
 
+        write(args, rows, [], peak, threads)  # the grid is kept even if the peer runs fail
         if not args.no_peers:
             setting = ["data.dataset=mnist5k", "partition.scheme=pathological", "partition.num_clients=20", "partition.shards_per_client=2",
                        "partition.global_test_fraction=0.01", "partition.val_fraction=0", "partition.test_fraction=0.2",
