@@ -227,15 +227,18 @@ class Run:
         DistributedRound(group, ClientTrainer(self.cfg, algorithm, phase, data)).serve()
 
     def _train(self, phase_name: str, telemetry_sinks: list | None, group: distributed.Group | None) -> PhaseState:
-        announced = False
+        told: list[bool] = []  # whether the other ranks have been told what to do
+
+        def announce(partition: Partition | None) -> None:
+            self._announce(group, partition)
+            told.append(True)
+
         try:
-            state = self._run_phase(phase_name, telemetry_sinks, group, lambda p: self._announce(group, p))
-            announced = True
-            return state
+            return self._run_phase(phase_name, telemetry_sinks, group, announce)
         finally:
-            if not announced and group is not None:
+            if not told and group is not None:  # failed before the ranks got work: let them go
                 try:
-                    self._announce(group, None)  # failed before the ranks got work: let them go
+                    self._announce(group, None)
                 except RuntimeError:
                     pass
 

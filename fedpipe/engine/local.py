@@ -78,8 +78,8 @@ def train_client(
         name: {k: (t.detach().clone() if name in trained else t.detach()) for k, t in tensors.items()}
         for name, tensors in slots.items()
     }
-    if memory_format_cl:
-        slots = {name: channels_last(tensors) for name, tensors in slots.items()}
+    if memory_format_cl:  # the trained copies only: a frozen slot is read in whatever layout it has
+        slots = {name: (channels_last(tensors) if name in trained else tensors) for name, tensors in slots.items()}
     n = len(data)
     device = data.y.device
     loss_sum = torch.zeros((), device=device)
@@ -129,5 +129,5 @@ def train_client(
         for t in slots[name].values():
             t.requires_grad_(False)
     if memory_format_cl:
-        slots = {name: {k: t.contiguous() for k, t in tensors.items()} for name, tensors in slots.items()}
+        slots = {name: ({k: t.contiguous() for k, t in tensors.items()} if name in trained else tensors) for name, tensors in slots.items()}
     return slots, ClientStats(loss=float(loss_sum) / max(seen, 1), samples=seen)
