@@ -12,10 +12,6 @@ from pathlib import Path
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
-DEFAULT_IMAGE = "ghcr.io/fedpipe/fedpipe:0.1.0"
-# Training tasks run the CUDA image, so a run asks for a GPU with a parameter alone (accelerator_count);
-# the CUDA build of torch runs on a CPU-only node too.
-DEFAULT_TRAINING_IMAGE = "ghcr.io/fedpipe/fedpipe:0.1.0-cuda"
 
 
 def resolve_config(base_config: str, fields: dict, defaults: dict, overrides: list, method: str, job_id: str, config: Output[Artifact]):
@@ -98,8 +94,10 @@ class Components:
     compare: object
 
 
-def build(image: str = DEFAULT_IMAGE, training_image: str = DEFAULT_TRAINING_IMAGE) -> Components:
-    """The components, running in `image` (training in `training_image`); both must have fedpipe installed."""
+def build(image: str, training_image: str) -> Components:
+    """The components, running in `image` (training in `training_image`: the CUDA image, so that a run asks
+    for a GPU with a parameter alone; it runs on CPU-only nodes too); both must have fedpipe installed.
+    The images' names come from fedpipe.pipelines.builder.DeployOptions."""
 
     def decorate(f):
         chosen = training_image if f is train_phase else image
@@ -108,7 +106,7 @@ def build(image: str = DEFAULT_IMAGE, training_image: str = DEFAULT_TRAINING_IMA
     return Components(*(decorate(f) for f in FUNCTIONS))
 
 
-def compile_components(folder: Path, image: str = DEFAULT_IMAGE, training_image: str = DEFAULT_TRAINING_IMAGE) -> list[Path]:
+def compile_components(folder: Path, image: str, training_image: str) -> list[Path]:
     """Write each component's spec to folder/<name>.yaml (loadable with kfp's load_component_from_file)."""
     built = build(image, training_image)
     Path(folder).mkdir(parents=True, exist_ok=True)

@@ -208,11 +208,16 @@ def _explain(cfg) -> list[str]:
     return lines
 
 
-ImageOpt = Annotated[Optional[str], typer.Option(help="Container image of the tasks; training tasks use the CUDA image (default: env FEDPIPE_IMAGE / FEDPIPE_TRAINING_IMAGE, else the release images).")]
+ImageRepositoryOpt = Annotated[Optional[str], typer.Option(help="Image repository of the tasks, e.g. registry.example.com/ml/fedpipe (default: ghcr.io/fedpipe/fedpipe). `make images` builds one.")]
+ImageTagOpt = Annotated[Optional[str], typer.Option(help="Image tag of the config, partition and evaluate tasks (default: fedpipe's version, the CPU image).")]
+TrainingImageTagOpt = Annotated[Optional[str], typer.Option(help="Image tag of the training tasks (default: <image tag>-cuda, the CUDA image, which also runs on CPU nodes).")]
+AcceleratorCountOpt = Annotated[Optional[int], typer.Option(min=0, help="GPUs each training task asks for: the default of the pipeline parameter accelerator_count (default 1; 0 = CPU only).")]
+AcceleratorTypeOpt = Annotated[Optional[str], typer.Option(help="Extended resource of that request: the default of the parameter accelerator_type (default nvidia.com/gpu).")]
+ResourceOpt = Annotated[Optional[list[str]], typer.Option("--resource", help="NAME=VALUE default of a resource parameter (repeatable): cpu_request, cpu_limit, memory_request, memory_limit of the training tasks; step_cpu_request, step_cpu_limit, step_memory_request, step_memory_limit of the other tasks. E.g. --resource memory_limit=32Gi.")]
 StoreOpt = Annotated[Optional[str], typer.Option(help="Store of runs on the cluster (default: env FEDPIPE_STORE, else s3://mlpipeline/fedpipe).")]
 S3EndpointOpt = Annotated[Optional[str], typer.Option(help="MinIO/S3 endpoint the pods use (default: env FEDPIPE_S3_ENDPOINT, else Kubeflow's MinIO).")]
 S3SecretOpt = Annotated[Optional[str], typer.Option(help="Secret with the S3 credentials (default: env FEDPIPE_S3_SECRET, else mlpipeline-minio-artifact).")]
-PushgatewayOpt = Annotated[Optional[str], typer.Option(help="Pushgateway URL the pods push metrics to (default: env FEDPIPE_PUSHGATEWAY, else none).")]
+PushgatewayOpt = Annotated[Optional[str], typer.Option(help="Pushgateway URL the pods push round metrics to: the default of the run parameter telemetry_pushgateway, which the Kubeflow UI can change (default: env FEDPIPE_PUSHGATEWAY, else none).")]
 
 
 DistributedPhaseOpt = Annotated[Optional[str], typer.Option("--distributed-phase", help="Run this phase (see `fedpipe methods`) as a Kubeflow Training Operator PyTorchJob, created and awaited by a small launcher task, instead of as one task: for a phase that outgrows one GPU or node. Needs the Training Operator and the pytorchjobs RBAC (the chart's pytorchJob.enabled).")]
@@ -238,11 +243,31 @@ def _distributed(phase, nodes, processes, gpus, cleanup, timeout) -> tuple:
     return (PhaseJob(phase=phase, **{field: value for (field, _), value in given.items()}),)
 
 
-def _options(image, store, s3_endpoint, s3_secret, pushgateway, distributed: tuple = ()):
+def _options(deploy: dict, distributed: tuple = ()):
+    """DeployOptions from the deployment flags every cluster command shares (see DEPLOY_FLAGS)."""
     from fedpipe.pipelines.builder import DeployOptions
 
-    return DeployOptions.from_env(image=image, store=store, s3_endpoint=s3_endpoint, s3_secret=s3_secret, pushgateway=pushgateway,
-                                  distributed=distributed)
+    resources = {}
+    for item in deploy.get("resource") or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise FedpipeError(f"--resource {item!r} is not NAME=VALUE, e.g. --resource memory_limit=32Gi.")
+        resources[name.strip()] = value.strip()
+    for name in ("accelerator_count", "accelerator_type"):
+        if deploy.get(name) is not None:
+            resources[name] = str(deploy[name])
+    chosen = {key: deploy.get(key) for key in ("image_repository", "image_tag", "training_image_tag", "store", "s3_endpoint",
+                                                "s3_secret", "pushgateway")}
+    return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
+
+
+# The deployment flags of compile, register, submit and schedule (their parameters of the same names).
+DEPLOY_FLAGS = ("image_repository", "image_tag", "training_image_tag", "accelerator_count", "accelerator_type", "resource",
+                "store", "s3_endpoint", "s3_secret", "pushgateway")
+
+
+def _deploy(values: dict) -> dict:
+    return {key: values[key] for key in DEPLOY_FLAGS}
 
 
 def _pipeline(cfg, options, benchmark: Optional[list[str]]):
@@ -259,26 +284,29 @@ BenchmarkOpt = Annotated[Optional[list[str]], typer.Option("--benchmark", help="
 def compile_(config: ConfigOpt = None, set: SetOpt = None,
              out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write the pipeline YAML.")] = None,
              all_: Annotated[bool, typer.Option("--all", help="Regenerate the shipped pipelines/*.yaml and components/*.yaml (release defaults, environment ignored).")] = False,
-             benchmark: BenchmarkOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+             benchmark: BenchmarkOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
+             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
              s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None,
              nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None, gpus_per_process: GpusOpt = None,
              job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Compile the method's pipeline (one task per phase) to Kubeflow Pipelines v2 YAML."""
     from fedpipe.components.steps import compile_components
-    from fedpipe.pipelines.builder import SHIPPED, compile_pipeline, shipped_pipelines
+    from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, shipped_pipelines
 
     if all_:
         for name, pipeline in shipped_pipelines().items():
             typer.echo(compile_pipeline(pipeline, SHIPPED / name))
         import fedpipe.components
 
-        for path in compile_components(Path(fedpipe.components.__file__).parent):
+        release = DeployOptions()
+        for path in compile_components(Path(fedpipe.components.__file__).parent, release.image, release.training_image):
             typer.echo(path)
         return
     cfg = _load(config, set)
     target = out or Path(f"{cfg.method.name if not benchmark else 'benchmark'}.yaml")
     distributed = _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout)
-    options = _options(image, store, s3_endpoint, s3_secret, pushgateway, distributed)
+    options = _options(_deploy(locals()), distributed)
     typer.echo(compile_pipeline(_pipeline(cfg, options, benchmark), target))
 
 
@@ -289,17 +317,19 @@ NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow 
 ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]
 
 
-def _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, distributed: tuple = ()):
+def _cluster_pipeline(config, set, method, deploy: dict, distributed: tuple = ()):
     from fedpipe.pipelines.builder import method_pipeline
 
     cfg = _load(config, [*(set or []), *([f"method.name={method}"] if method else [])])
-    return cfg, method_pipeline(cfg, _options(image, store, s3_endpoint, s3_secret, pushgateway, distributed))
+    return cfg, method_pipeline(cfg, _options(deploy, distributed))
 
 
 @app.command()
 @_guarded
 def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
-             namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+             namespace: NamespaceOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
+             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
              s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
              gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Upload the method's pipeline (compiled from the config) to Kubeflow, as a new pipeline or a new version."""
@@ -307,7 +337,7 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
     from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import register as do_register
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
+    cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     name = name or pipeline_name(cfg.method.name)
     done = do_register(connect(host, namespace), pipeline, name, description=f"fedpipe {cfg.method.name}")
     typer.echo(f"pipeline {name}: version {done.version} (pipeline id {done.pipeline_id}, version id {done.version_id})")
@@ -317,14 +347,16 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
 @_guarded
 def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None,
            experiment: ExperimentOpt = "fedpipe", run_name: Annotated[Optional[str], typer.Option(help="Name of the run in the Kubeflow UI.")] = None,
-           namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
+           namespace: NamespaceOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
+             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
            s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
              gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Start one run of the method's pipeline on a Kubeflow cluster (the config becomes its defaults)."""
     from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import submit as do_submit
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
+    cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     run_id = do_submit(connect(host, namespace), pipeline, experiment, run_name or cfg.run_id(), namespace)
     typer.echo(f"submitted run {run_id} of {cfg.method.name} to experiment {experiment!r}")
 
@@ -333,7 +365,9 @@ def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, m
 @_guarded
 def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron syntax in UTC, e.g. '0 3 * * *' (daily at 03:00).")],
              host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
-             experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, image: ImageOpt = None, store: StoreOpt = None,
+             experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
+             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None,
              s3_endpoint: S3EndpointOpt = None, s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None,
              distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
              gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
@@ -345,7 +379,7 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
     from fedpipe.pipelines.client import schedule as do_schedule
 
     kfp_cron(cron)  # a bad expression fails before anything is registered
-    cfg, pipeline = _cluster_pipeline(config, set, method, image, store, s3_endpoint, s3_secret, pushgateway, _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
+    cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     name = name or pipeline_name(cfg.method.name)
     client = connect(host, namespace)
     registered = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")

@@ -4,8 +4,13 @@
 
 The pipeline's parameters are the run config's fields (`train_rounds`, `partition_num_clients`,
 `method_nu`, ...; defaults = the compiled config), a `base_config` YAML, `overrides` (KEY=VALUE
-strings for anything else), and the training tasks' resources (accelerator type and count, CPU and
-memory, node selector, tolerations). A field changed in the Kubeflow UI wins over `base_config`.
+strings for anything else), and the tasks' resources (RESOURCE_PARAMETERS: one GPU per training task by
+default, CPU and memory for every task; node selector and tolerations of the training tasks). A field
+changed in the Kubeflow UI wins over `base_config`. `telemetry_pushgateway` says where round metrics go.
+
+Needs a Kubeflow Pipelines backend of 2.5.0 or later (Kubeflow 1.10+): resources from runtime parameters
+(driver 2.4.0), node selector and tolerations as JSON parameters and the Secret's name as a parameter
+(driver 2.5.0). fedpipe.pipelines.client checks the server's version before it uploads.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +26,8 @@ from pathlib import Path
 from kfp import compiler, dsl, kubernetes
 
 from fedpipe.algorithms import ALGORITHMS, phases_of
-from fedpipe.components.steps import DEFAULT_IMAGE, DEFAULT_TRAINING_IMAGE, Components, build
+from fedpipe import __version__
+from fedpipe.components.steps import Components, build
 from fedpipe.config import RunConfig, load_config
 from fedpipe.errors import ConfigError
 from fedpipe.pipelines.pytorchjob import PhaseJob
@@ -29,16 +36,51 @@ from fedpipe.pipelines.pytorchjob import PhaseJob
 # and the scheme decides which partition fields exist. Change them with `overrides` or another pipeline.
 FIXED_FIELDS = {"method.name", "partition.scheme", "telemetry.pipeline"}
 
-TRAINING_RESOURCES = {
-    "accelerator_type": (str, "nvidia.com/gpu"),
-    "accelerator_count": (int, 0),
-    "cpu_request": (str, "1"),
-    "cpu_limit": (str, "4"),
-    "memory_request": (str, "2Gi"),
-    "memory_limit": (str, "16Gi"),
-    "node_selector": (dict, {}),
-    "tolerations": (list, []),
+# The pipeline's resource parameters and their defaults. Kubeflow's driver reads a resource given as a
+# runtime parameter from the parameter's *string* value (backend/src/v2/driver: initPodSpecPatch ->
+# resolvePodSpecInputRuntimeParameter -> Value.GetStringValue, then ParseQuantity): an int parameter
+# would resolve to "" and the pod would get no GPU. So every quantity here is a string, the GPU count too.
+RESOURCE_PARAMETERS: dict[str, str] = {
+    # the training tasks: one GPU each unless the run (or `--accelerator-count 0`) says CPU only
+    "accelerator_type": "nvidia.com/gpu",
+    "accelerator_count": "1",
+    "cpu_request": "1",
+    "cpu_limit": "4",
+    "memory_request": "2Gi",
+    "memory_limit": "16Gi",
+    # the config, partition, evaluate and comparison tasks
+    "step_cpu_request": "500m",
+    "step_cpu_limit": "2",
+    "step_memory_request": "1Gi",
+    "step_memory_limit": "8Gi",
 }
+# Where to place the training tasks' pods (kfp-kubernetes reads these as JSON parameters).
+PLACEMENT_PARAMETERS: dict[str, tuple[type, object]] = {"node_selector": (dict, {}), "tolerations": (list, [])}
+
+# A Kubernetes quantity (k8s.io/apimachinery resource.ParseQuantity), e.g. 500m, 2, 1.5, 4Gi, 1e3.
+_QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+# The label on every task pod of a fedpipe pipeline: what the chart's NetworkPolicy selects.
+POD_LABEL = ("app.kubernetes.io/part-of", "fedpipe")
+
+
+def resource_defaults(given: dict[str, str] | None = None) -> dict[str, str]:
+    """RESOURCE_PARAMETERS with `given` over them, each checked: a wrong name or value is a ConfigError
+    here rather than a pod the driver cannot create."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(RESOURCE_PARAMETERS))
+    if unknown:
+        raise ConfigError(f"unknown resource {', '.join(unknown)}: choose from {', '.join(RESOURCE_PARAMETERS)}.")
+    out = {**RESOURCE_PARAMETERS, **{k: str(v).strip() for k, v in given.items()}}
+    for name, value in out.items():
+        if name == "accelerator_type":
+            if not re.fullmatch(r"[A-Za-z0-9.\-]+/[A-Za-z0-9_.\-]+", value):
+                raise ConfigError(f"accelerator type {value!r} is not an extended resource name such as nvidia.com/gpu or amd.com/gpu.")
+        elif name == "accelerator_count":
+            if not value.isdigit():
+                raise ConfigError(f"accelerator count {value!r} must be a whole number of devices: 1 (one GPU), or 0 for CPU only.")
+        elif not _QUANTITY.match(value):
+            raise ConfigError(f"resource {name}={value!r} is not a Kubernetes quantity (e.g. 500m or 2 for CPU, 512Mi or 4Gi for memory).")
+    return out
 
 
 @dataclass(frozen=True)
@@ -49,28 +91,42 @@ class DeployOptions:
     `s3_secret_keys`) as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
     """
 
-    image: str = DEFAULT_IMAGE
-    training_image: str = DEFAULT_TRAINING_IMAGE  # the CUDA image: a GPU is then a runtime parameter
+    image_repository: str = "ghcr.io/fedpipe/fedpipe"
+    image_tag: str = __version__  # the CPU image: config, partition, evaluate, comparison
+    training_image_tag: str | None = None  # None: `<image_tag>-cuda`, the CUDA image, which runs on CPU nodes too
     store: str = "s3://mlpipeline/fedpipe"  # the bucket of Kubeflow's own MinIO
     s3_endpoint: str = "http://minio-service.kubeflow:9000"
     s3_secret: str = "mlpipeline-minio-artifact"  # Kubeflow's own MinIO credentials
     s3_secret_keys: tuple[str, str] = ("accesskey", "secretkey")
-    pushgateway: str = ""  # empty: no metrics are pushed
+    pushgateway: str = ""  # default of the run parameter telemetry_pushgateway; empty: no metrics are pushed
+    resources: dict[str, str] = field(default_factory=dict)  # defaults of the resource parameters (RESOURCE_PARAMETERS)
     retries: int = 2  # a failed training task is retried and resumes from its last checkpoint
     extra_env: dict[str, str] = field(default_factory=dict)
     # Phases that run as a Kubeflow Training Operator PyTorchJob, started and awaited by a small launcher
     # task, instead of as one training task (fedpipe.pipelines.pytorchjob).
     distributed: tuple[PhaseJob, ...] = ()
 
+    def __post_init__(self) -> None:
+        for what, value in (("--image-repository", self.image_repository), ("--image-tag", self.image_tag),
+                            ("--training-image-tag", self.training_image_tag or self.image_tag)):
+            if not value or any(c.isspace() for c in value) or (what != "--image-repository" and (":" in value or "/" in value)):
+                raise ConfigError(f"{what} {value!r} is not valid: a repository looks like ghcr.io/fedpipe/fedpipe, a tag like 0.1.0.")
+        resource_defaults(self.resources)
+
+    @property
+    def image(self) -> str:
+        return f"{self.image_repository}:{self.image_tag}"
+
+    @property
+    def training_image(self) -> str:
+        return f"{self.image_repository}:{self.training_image_tag or self.image_tag + '-cuda'}"
+
     @classmethod
     def from_env(cls, **overrides) -> DeployOptions:
-        """Defaults, then FEDPIPE_IMAGE / FEDPIPE_TRAINING_IMAGE / FEDPIPE_STORE / FEDPIPE_S3_ENDPOINT / FEDPIPE_S3_SECRET /
-        FEDPIPE_S3_SECRET_KEYS ("accesskey,secretkey") / FEDPIPE_PUSHGATEWAY from the environment (how the
-        Helm chart's Job configures it), then `overrides`."""
+        """Defaults, then FEDPIPE_STORE / FEDPIPE_S3_ENDPOINT / FEDPIPE_S3_SECRET / FEDPIPE_S3_SECRET_KEYS
+        ("accesskey,secretkey") / FEDPIPE_PUSHGATEWAY from the environment, then `overrides` (the CLI's flags)."""
         keys = os.environ.get("FEDPIPE_S3_SECRET_KEYS")
         env = {
-            "image": os.environ.get("FEDPIPE_IMAGE"),
-            "training_image": os.environ.get("FEDPIPE_TRAINING_IMAGE"),
             "store": os.environ.get("FEDPIPE_STORE"),
             "s3_endpoint": os.environ.get("FEDPIPE_S3_ENDPOINT"),
             "s3_secret": os.environ.get("FEDPIPE_S3_SECRET"),
@@ -118,7 +174,8 @@ def _signature(fields: dict[str, object], base_yaml: str, options: DeployOptions
     params = [inspect.Parameter("base_config", kw, default=base_yaml, annotation=str)]
     params += [inspect.Parameter(_param(k), kw, default=v, annotation=type(v)) for k, v in fields.items()]
     params.append(inspect.Parameter("overrides", kw, default=[], annotation=list))
-    params += [inspect.Parameter(name, kw, default=default, annotation=kind) for name, (kind, default) in TRAINING_RESOURCES.items()]
+    params += [inspect.Parameter(name, kw, default=value, annotation=str) for name, value in resource_defaults(options.resources).items()]
+    params += [inspect.Parameter(name, kw, default=default, annotation=kind) for name, (kind, default) in PLACEMENT_PARAMETERS.items()]
     params.append(inspect.Parameter("s3_secret", kw, default=options.s3_secret, annotation=str))
     return inspect.Signature(params)
 
@@ -130,10 +187,11 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
 
 
 def _storage(task, options: DeployOptions, secret) -> None:
-    """Every task reads and writes the run's store: the endpoint as env, the credentials from the Secret."""
+    """Every task reads and writes the run's store: the endpoint as env, the credentials from the Secret.
+    (The Pushgateway is a run parameter, telemetry_pushgateway, that reaches the tasks in the config.)
+    Every task pod carries POD_LABEL, which the chart's NetworkPolicy selects."""
     task.set_env_variable("FEDPIPE_S3_ENDPOINT", options.s3_endpoint)
-    if options.pushgateway:
-        task.set_env_variable("FEDPIPE_PUSHGATEWAY", options.pushgateway)
+    kubernetes.add_pod_label(task, *POD_LABEL)
     for name, value in options.extra_env.items():
         task.set_env_variable(name, value)
     access, secret_key = options.s3_secret_keys
@@ -147,11 +205,11 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
         base_config=v["base_config"], fields={k: v[_param(k)] for k in fields}, defaults=fields,
         overrides=v["overrides"], method=method or "", job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     ).set_display_name(f"config {method}" if method else "config")
-    _storage(resolve, options, secret)
+    _step(resolve, v, options, secret)
     config = resolve.outputs["config"]
     if manifest is None:
         part = c.partition(config=config).set_display_name("partition")
-        _storage(part, options, secret)
+        _step(part, v, options, secret)
         manifest = part.outputs["manifest"]
     phases = phases_of(cfg.method, cfg.train.rounds)
     distributed = {job.phase: job for job in options.distributed}
@@ -173,8 +231,16 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
         _storage(task, options, secret)
         previous = task.outputs["state"]
     evaluate = c.evaluate(config=config, manifest=manifest, state=previous).set_display_name(f"evaluate {method}" if method else "evaluate")
-    _storage(evaluate, options, secret)
+    _step(evaluate, v, options, secret)
     return evaluate
+
+
+def _step(task, v: dict, options: DeployOptions, secret) -> None:
+    """A task that is not a training phase (config, partition, evaluate, comparison): CPU only, sized by
+    the step_* resource parameters."""
+    task.set_cpu_request(v["step_cpu_request"]).set_cpu_limit(v["step_cpu_limit"])
+    task.set_memory_request(v["step_memory_request"]).set_memory_limit(v["step_memory_limit"])
+    _storage(task, options, secret)
 
 
 def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob, config, manifest, secret, inputs: dict):
@@ -210,9 +276,11 @@ def _check_distributed(options: DeployOptions, phases_by_method: dict[str, list[
 def _deployed(cfg: RunConfig, options: DeployOptions, name: str) -> RunConfig:
     """The config as the cluster runs it: artifacts in the deployment's store, metrics labelled by pipeline."""
     store = cfg.run.store if cfg.run.store.startswith("s3://") else options.store
+    # the Pushgateway becomes the run parameter telemetry_pushgateway (settable in the UI; empty: no push)
+    pushgateway = cfg.telemetry.pushgateway or options.pushgateway or ""
     return cfg.model_copy(update={
         "run": cfg.run.model_copy(update={"store": store}),
-        "telemetry": cfg.telemetry.model_copy(update={"pipeline": name}),
+        "telemetry": cfg.telemetry.model_copy(update={"pipeline": name, "pushgateway": pushgateway}),
     })
 
 
@@ -252,16 +320,16 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
             base_config=v["base_config"], fields={k: v[_param(k)] for k in fields}, defaults=fields,
             overrides=v["overrides"], method="", job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
         ).set_display_name("config (shared)")
-        _storage(resolve, options, secret)
+        _step(resolve, v, options, secret)
         part = c.partition(config=resolve.outputs["config"]).set_display_name("partition (shared)")
-        _storage(part, options, secret)
+        _step(part, v, options, secret)
         evaluations = [
             _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m, secret)
             for m in methods
         ]
         table = c.compare(config=resolve.outputs["config"], run_ids=[e.outputs["Output"] for e in evaluations])
         table.set_display_name("comparison table")
-        _storage(table, options, secret)
+        _step(table, v, options, secret)
 
     return _as_pipeline(body, signature, name, f"Benchmark of {', '.join(methods)} on one partition, with a comparison table.")
 

@@ -30,7 +30,8 @@ def test_shipped_pipelines_and_components_are_up_to_date(tmp_path):
         assert shipped.exists() and shipped.read_text() == (tmp_path / name).read_text(), (
             f"pipelines/{name} is out of date with the code: run `fedpipe compile --all` and commit the result"
         )
-    for path in compile_components(tmp_path / "components"):
+    release = DeployOptions()
+    for path in compile_components(tmp_path / "components", release.image, release.training_image):
         shipped = os.path.join(COMPONENTS, path.name)
         assert open(shipped).read() == path.read_text(), f"components/{path.name} is out of date: run `fedpipe compile --all`"
 
@@ -149,7 +150,7 @@ def test_a_distributed_phase_is_a_pytorchjob_launcher_task(tmp_path):
     assert "accelerator" not in executor["resources"]
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-launch-phase-job"]
     assert k8s["fieldPathAsEnv"] == [{"fieldPath": "metadata.namespace", "name": "FEDPIPE_NAMESPACE"}]
-    assert k8s["podMetadata"]["labels"] == {"app.kubernetes.io/component": LAUNCHER_COMPONENT}
+    assert k8s["podMetadata"]["labels"] == {"app.kubernetes.io/component": LAUNCHER_COMPONENT, "app.kubernetes.io/part-of": "fedpipe"}
     assert {e["envVar"] for s in k8s["secretAsEnv"] for e in s["keyToEnv"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     # The benchmark distributes that phase in every method that has it.
     bench = compile_pipeline(benchmark_pipeline(cfg, ["superfed_mm", "fedavg"], options), tmp_path / "benchmark.yaml")
@@ -157,3 +158,110 @@ def test_a_distributed_phase_is_a_pytorchjob_launcher_task(tmp_path):
     assert "superfed_mm personalization (PyTorchJob)" in text and "fedavg federation (PyTorchJob)" not in text
     with pytest.raises(ConfigError, match="not a phase of the pipeline's method"):
         method_pipeline(load_config(None, ["method.name=fedavg"]), options)
+
+
+# --- resources, as Kubeflow's driver reads them ---------------------------------------------------------
+
+def _driver_string(value) -> str:
+    """Go's structpb `Value.GetStringValue()`: the string of a string value, "" for any other kind."""
+    return value.string_value if value.WhichOneof("kind") == "string_value" else ""
+
+
+def driver_resources(spec: dict, task_name: str, arguments: dict | None = None) -> dict:
+    """The requests and limits KFP's driver gives a root task's pod (backend/src/v2/driver/driver.go,
+    initPodSpecPatch): each resource placeholder is resolved from the executor input, whose parameter
+    values are structpb Values of the pipeline parameter's type (a run's argument, else its default),
+    read with GetStringValue (resolve.go, resolvePodSpecInputRuntimeParameter); an accelerator limit
+    is set only when both its type and its count resolve to non-empty strings."""
+    from google.protobuf import json_format, struct_pb2
+
+    root_params = spec["root"]["inputDefinitions"]["parameters"]
+    task = spec["root"]["dag"]["tasks"][task_name]
+    executor = spec["components"][task["componentRef"]["name"]]["executorLabel"]
+    resources = spec["deploymentSpec"]["executors"][executor]["container"].get("resources", {})
+
+    def resolve(placeholder: str) -> str:
+        if not placeholder.startswith("{{$.inputs.parameters['"):
+            return placeholder
+        channel = placeholder.split("'")[1]
+        root_name = task["inputs"]["parameters"][channel]["componentInputParameter"]
+        kind = root_params[root_name]["parameterType"]
+        raw = (arguments or {}).get(root_name, root_params[root_name].get("defaultValue"))
+        if kind == "STRING":
+            raw = str(raw)  # the API server stores a STRING parameter's argument as a string value
+        return _driver_string(json_format.ParseDict(raw, struct_pb2.Value()))
+
+    out = {"requests": {}, "limits": {}}
+    for field, side, name in (("resourceCpuRequest", "requests", "cpu"), ("resourceCpuLimit", "limits", "cpu"),
+                              ("resourceMemoryRequest", "requests", "memory"), ("resourceMemoryLimit", "limits", "memory")):
+        if resources.get(field):
+            out[side][name] = resolve(resources[field])
+    accelerator = resources.get("accelerator", {})
+    kind, count = resolve(accelerator.get("resourceType", "")), resolve(accelerator.get("resourceCount", ""))
+    if kind and count:
+        out["limits"][kind] = count
+    return out
+
+
+@pytest.mark.parametrize("method", ["superfed_mm", "fedavg", "fedmoe"])
+def test_training_tasks_request_one_gpu_by_default_as_the_driver_reads_it(method):
+    spec = next(yaml.safe_load_all((SHIPPED / f"{method}.yaml").read_text()))
+    tasks = root_tasks(spec)
+    training = [n for n, t in tasks.items() if t["componentRef"]["name"].startswith("comp-train-phase")]
+    assert training
+    for name in training:
+        got = driver_resources(spec, name)
+        assert got["limits"].get("nvidia.com/gpu") == "1", (name, got)
+        assert got["requests"] == {"cpu": "1", "memory": "2Gi"} and got["limits"]["memory"] == "16Gi"
+        # a CPU-only run, from the UI: accelerator_count "0" (a limit of 0 GPUs asks for none)
+        assert driver_resources(spec, name, {"accelerator_count": "0"})["limits"]["nvidia.com/gpu"] == "0"
+        assert driver_resources(spec, name, {"accelerator_count": "2"})["limits"]["nvidia.com/gpu"] == "2"
+    # every other task has requests and limits too, and never a GPU
+    for name in set(tasks) - set(training):
+        got = driver_resources(spec, name)
+        assert got == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}, (name, got)
+
+
+def test_an_int_accelerator_count_would_give_no_gpu():
+    """Why the count is a string parameter: the driver reads an int parameter's value as "" (no limit)."""
+    spec = next(yaml.safe_load_all((SHIPPED / "fedavg.yaml").read_text()))
+    spec["root"]["inputDefinitions"]["parameters"]["accelerator_count"] = {"defaultValue": 1.0, "parameterType": "NUMBER_INTEGER"}
+    train = next(n for n, t in root_tasks(spec).items() if t["componentRef"]["name"].startswith("comp-train-phase"))
+    assert "nvidia.com/gpu" not in driver_resources(spec, train)["limits"]
+
+
+def test_compile_flags_set_images_gpu_resources_and_pushgateway(tmp_path):
+    out = tmp_path / "p.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "fedpipe.cli", "compile", "--set", "method.name=fedavg", "-o", str(out),
+         "--image-repository", "127.0.0.1:5000/fedpipe/fedpipe", "--image-tag", "dev", "--training-image-tag", "dev-gpu",
+         "--accelerator-count", "0", "--resource", "memory_limit=32Gi", "--resource", "step_cpu_request=250m",
+         "--pushgateway", "http://pgw.monitoring:9091"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    spec, platform = list(yaml.safe_load_all(out.read_text()))
+    images = {name: e["container"]["image"] for name, e in spec["deploymentSpec"]["executors"].items()}
+    assert images.pop("exec-train-phase") == "127.0.0.1:5000/fedpipe/fedpipe:dev-gpu"
+    assert set(images.values()) == {"127.0.0.1:5000/fedpipe/fedpipe:dev"}
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["accelerator_count"] == {"defaultValue": "0", "isOptional": True, "parameterType": "STRING"}
+    assert params["memory_limit"]["defaultValue"] == "32Gi" and params["step_cpu_request"]["defaultValue"] == "250m"
+    # the Pushgateway is a run parameter (the UI can change it), not a fixed env var of the pods
+    assert params["telemetry_pushgateway"] == {"defaultValue": "http://pgw.monitoring:9091", "isOptional": True, "parameterType": "STRING"}
+    assert "FEDPIPE_PUSHGATEWAY" not in out.read_text()
+    # every task pod carries the label the chart's NetworkPolicy selects
+    for name, executor in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
+        assert executor["podMetadata"]["labels"]["app.kubernetes.io/part-of"] == "fedpipe", name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--resource", "memory_limit=lots"], "not a Kubernetes quantity"),
+    (["--resource", "gpu_count=2"], "unknown resource gpu_count"),
+    (["--resource", "memory_limit"], "is not NAME=VALUE"),
+    (["--accelerator-type", "gpu"], "extended resource name"),
+    (["--image-tag", "a:b"], "--image-tag 'a:b' is not valid"),
+])
+def test_bad_deploy_flags_are_plain_errors(tmp_path, flags, message):
+    done = subprocess.run([sys.executable, "-m", "fedpipe.cli", "compile", "-o", str(tmp_path / "p.yaml"), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "p.yaml").exists()
