@@ -135,6 +135,12 @@ class TelemetryConfig(Section):
     """Show a progress bar over rounds on the terminal."""
     pipeline: str = "local"
     """The `pipeline` label on pushed metrics (set by the Kubeflow pipeline)."""
+    pushgateway_retention_seconds: int = Field(60, ge=0)
+    """When the run's evaluation has finished, every Pushgateway group of the run (all its phases) is
+    deleted once its newest push is this many seconds old, so that Prometheus has scraped the final
+    values first (60: four scrapes at the chart's 15 s interval; 0: delete at once). After deletion
+    Prometheus keeps the history in its TSDB and marks the series stale, so the dashboard stops showing
+    the finished run as live. An unreachable Pushgateway only logs a warning."""
 
 
 class RunConfig(Section):

@@ -312,7 +312,17 @@ class Run:
         summary = write_report(self, algorithm, state, data, phases)
         # last: a run manifest exists only for a finished run (`fedpipe verify` checks against it)
         write_run_manifest(self.store, self.paths.run_id)
+        self.delete_pushed_metrics()
         return summary
+
+    def delete_pushed_metrics(self) -> None:
+        """The run is over: delete its groups (every phase's) from the Pushgateway, once its newest push
+        is telemetry.pushgateway_retention_seconds old. Never raises (an unreachable gateway warns)."""
+        url = self.cfg.telemetry.pushgateway or os.environ.get("FEDPIPE_PUSHGATEWAY")
+        if url:
+            from fedpipe.telemetry.prometheus import delete_run_groups
+
+            delete_run_groups(url, self.paths.run_id, retention_seconds=self.cfg.telemetry.pushgateway_retention_seconds)
 
     # --- all steps ----------------------------------------------------------------------------------
     def run_all(self) -> dict:

@@ -81,7 +81,8 @@ def pushgateway(services_dir: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     server = start_server(
         "pushgateway",
-        [binary, f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        # no persistence file: Debian's build defaults to a shared one under /var/lib
+        [binary, f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn", "--persistence.file="],
         url,
         "/-/ready",
         services_dir,

@@ -38,22 +38,30 @@ metrics are not being pushed), counts every failed or skipped push in `lost_push
 failure only tries again every `retry_interval` seconds, so an unreachable gateway costs at most one
 `timeout` per interval. It never raises.
 
-Groups stay on the Pushgateway after the run (so the last values remain visible); remove one with
-``prometheus_client.delete_from_gateway(url, job="fedpipe", grouping_key=...)``.
+A finished run removes its groups: when its evaluation has finished, `delete_run_groups` deletes
+every group of the run's ``run_id`` (all its phases, whichever pod pushed them, an earlier attempt's
+too), found through the Pushgateway's ``/api/v1/metrics``. It first waits until the run's newest push
+is ``telemetry.pushgateway_retention_seconds`` old (default 60 s, four scrapes at 15 s), so Prometheus
+has scraped the final values. Prometheus keeps the history in its TSDB and marks the deleted series
+stale: queries over time still show the run, the dashboard no longer shows it as live. An unreachable
+gateway costs one warning; the run still succeeds.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
+from prometheus_client import CollectorRegistry, Gauge, delete_from_gateway, push_to_gateway
 
 from fedpipe.telemetry.events import PhaseEvent, RoundEvent, RunLabels
 
-__all__ = ["ENV_PUSHGATEWAY", "METRICS", "PrometheusSink"]
+__all__ = ["ENV_PUSHGATEWAY", "METRICS", "PrometheusSink", "delete_run_groups", "run_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +128,7 @@ class PrometheusSink:
     ):
         if not gateway_url or not str(gateway_url).strip():
             raise ValueError("PrometheusSink needs the Pushgateway URL, e.g. http://pushgateway:9091")
-        url = str(gateway_url).strip().rstrip("/")
-        if "://" not in url:
-            url = "http://" + url
-        self.gateway_url = url
+        self.gateway_url = _normalized(gateway_url)
         self.job = job
         self.timeout = timeout
         self.retry_interval = retry_interval
@@ -261,6 +266,96 @@ class PrometheusSink:
             )
         else:
             log.debug("Metric push to %s failed again: %s", self.gateway_url, reason)
+
+
+def run_groups(gateway_url: str, run_id: str, job: str = "fedpipe", timeout: float = 5.0) -> list[tuple[dict[str, str], float]]:
+    """The Pushgateway's groups of run `run_id` under `job`: (grouping key without ``job``, Unix time
+    of the group's last successful push) each, read from ``GET /api/v1/metrics``. Raises on HTTP or
+    connection errors."""
+    url = _normalized(gateway_url) + "/api/v1/metrics"
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "application/json"}), timeout=timeout) as resp:
+        body = json.load(resp)
+    found = []
+    for group in body.get("data") or []:
+        labels = dict(group.get("labels") or {})
+        if labels.get("job") != job or labels.get("run_id") != run_id:
+            continue
+        del labels["job"]
+        pushed = 0.0
+        for sample in (group.get("push_time_seconds") or {}).get("metrics") or []:
+            try:
+                pushed = max(pushed, float(sample.get("value", 0)))
+            except (TypeError, ValueError):
+                pass
+        found.append((labels, pushed))
+    return found
+
+
+def delete_run_groups(
+    gateway_url: str,
+    run_id: str,
+    *,
+    job: str = "fedpipe",
+    retention_seconds: float = 60.0,
+    timeout: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.time,
+) -> list[dict[str, str]] | None:
+    """Delete every Pushgateway group of a finished run (every phase and pipeline label of `run_id`
+    under `job`, whichever process pushed it), once the run's newest push is `retention_seconds` old.
+
+    The wait lets Prometheus scrape the final values before they go. The groups are read again after
+    it, so a group pushed meanwhile is waited for too (at most three waits); a push time ahead of this
+    machine's clock makes it wait `retention_seconds`, never longer. Logs one line naming what was
+    deleted. Returns the deleted groups' grouping keys (without ``job``); None when the Pushgateway
+    could not be read or a deletion failed: then it logs ONE warning and never raises, so a finished
+    run is never failed by its metrics.
+    """
+    url = _normalized(gateway_url)
+    deleted: list[dict[str, str]] = []
+    waited_for: float | None = None  # the newest push time already waited for
+    try:
+        for attempt in range(4):
+            groups = run_groups(url, run_id, job=job, timeout=timeout)
+            if not groups:
+                break
+            newest = max(pushed for _, pushed in groups)
+            wait = min(float(retention_seconds), float(retention_seconds) - (clock() - newest))
+            if wait > 0 and newest != waited_for and attempt < 3:
+                waited_for = newest
+                log.info(
+                    "Waiting %.1f s before deleting the metrics of run %s from the Pushgateway at %s, so "
+                    "Prometheus scrapes their final values (telemetry.pushgateway_retention_seconds=%g).",
+                    wait, run_id, url, retention_seconds,
+                )
+                sleep(wait)
+                continue
+            for key, _ in groups:
+                delete_from_gateway(url, job=job, grouping_key=key, timeout=timeout)
+                deleted.append(key)
+            break
+    except Exception as exc:  # never fail a finished run over its metrics
+        log.warning(
+            "Could not delete the metrics of run %s from the Prometheus Pushgateway at %s (%s); the run "
+            "is finished, but its metric groups stay on the gateway (and their last values on the "
+            "dashboard) until deleted there%s.",
+            run_id, url, _reason(exc), f" ({len(deleted)} were deleted before the failure)" if deleted else "",
+        )
+        return None
+    if deleted:
+        phases = sorted({key.get("phase", "") for key in deleted})
+        log.info(
+            "Deleted %d metric group%s of run %s (job %s; phases %s) from the Pushgateway at %s.",
+            len(deleted), "" if len(deleted) == 1 else "s", run_id, job, ", ".join(phases), url,
+        )
+    else:
+        log.info("The Pushgateway at %s holds no metrics of run %s; nothing to delete.", url, run_id)
+    return deleted
+
+
+def _normalized(gateway_url: str) -> str:
+    url = str(gateway_url).strip().rstrip("/")
+    return url if "://" in url else "http://" + url
 
 
 def _reason(exc: BaseException) -> str:

@@ -1,18 +1,23 @@
-"""PrometheusSink against a real Pushgateway, read back through a real Prometheus."""
+"""PrometheusSink against a real Pushgateway, read back through a real Prometheus; a finished run's
+groups deleted from that Pushgateway."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import threading
 import time
 import urllib.parse
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
+from runs import small_run
 
 from fedpipe.telemetry import PhaseEvent, RoundEvent, RunLabels, Telemetry
-from fedpipe.telemetry.prometheus import METRICS, PrometheusSink
+from fedpipe.telemetry.prometheus import METRICS, PrometheusSink, delete_run_groups
 
 pytestmark = pytest.mark.services
 
@@ -205,3 +210,151 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch):
     sink = PrometheusSink.from_env(job="fedpipe-test")
     assert sink is not None
     assert sink.gateway_url == "http://pushgateway.monitoring:9091" and sink.job == "fedpipe-test"
+
+
+# --- a finished run deletes its groups ------------------------------------------------------------
+
+RUN = ["method.name=superfed_mm", "train.rounds=2", "method.start_fraction=0.5", "run.threads=1"]  # phases: federation, personalization
+
+
+def groups_of(gateway: str, run_id: str) -> list[dict[str, str]]:
+    """The grouping labels of the run's groups, read from the Pushgateway's API."""
+    with urllib.request.urlopen(f"{gateway}/api/v1/metrics", timeout=5) as resp:
+        data = json.load(resp)["data"]
+    return [g["labels"] for g in data if g["labels"].get("run_id") == run_id]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder whose phases are trained (no metrics pushed) and not yet evaluated."""
+    store = tmp_path_factory.mktemp("trained")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("FEDPIPE_PUSHGATEWAY", raising=False)
+        run = small_run(store, *RUN, run_id="trained")
+        run.partition()
+        for phase in run.phases():
+            run.train(phase.name)
+    return store / "trained"
+
+
+def trained_run(trained: Path, tmp_path: Path, *overrides: str):
+    """A copy of the trained run under a fresh run id, ready to evaluate."""
+    run_id = f"done-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(trained, tmp_path / run_id)
+    return small_run(tmp_path, *RUN, *overrides, run_id=run_id)
+
+
+def push_phases(gateway: str, run, final_round: int = 3) -> None:
+    """What the run's phase pods push: rounds 1..final_round and the phase end, for every phase."""
+    sink = PrometheusSink(gateway)
+    for phase in run.phases():
+        lab = run.labels(phase.name)
+        sink.phase_started(PhaseEvent(labels=lab, total_rounds=final_round, first_round=1))
+        for r in range(1, final_round + 1):
+            sink.round_finished(round_event(lab, r, pacc=0.5, gacc=0.5))
+        sink.phase_finished(PhaseEvent(labels=lab, total_rounds=final_round, first_round=1, finished=True, seconds=1))
+    assert sink.lost_pushes == 0
+
+
+def test_finished_run_deletes_all_its_groups_and_keeps_other_runs(
+    tmp_path: Path, pushgateway: str, caplog: pytest.LogCaptureFixture
+):
+    run_id = f"e2e-{uuid.uuid4().hex[:8]}"
+    run = small_run(tmp_path, *RUN, f"telemetry.pushgateway={pushgateway}", "telemetry.pushgateway_retention_seconds=0", run_id=run_id)
+    run.partition()
+    for phase in run.phases():
+        run.train(phase.name)
+    # an earlier attempt of the run, pushed under another pipeline label, and another run
+    earlier = RunLabels(run_id, "fedpipe-superfed_mm", "superfed_mm", "federation", "mnist5k")
+    other = labels()
+    sink = PrometheusSink(pushgateway)
+    sink.round_finished(round_event(earlier, 1, pacc=None, gacc=None))
+    sink.round_finished(round_event(other, 1, pacc=None, gacc=None))
+    assert sorted((g["pipeline"], g["phase"]) for g in groups_of(pushgateway, run_id)) == [
+        ("fedpipe-superfed_mm", "federation"), ("local", "federation"), ("local", "personalization"),
+    ]
+
+    caplog.set_level(logging.INFO, logger="fedpipe.telemetry.prometheus")
+    summary = run.evaluate()
+    assert summary["report"]
+    assert groups_of(pushgateway, run_id) == []
+    assert len(groups_of(pushgateway, other.run_id)) == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Deleted")]
+    assert f"3 metric groups of run {run_id}" in line and "federation, personalization" in line
+
+
+def test_groups_stay_for_the_retention_then_go(trained: Path, tmp_path: Path, pushgateway: str):
+    run = trained_run(trained, tmp_path, f"telemetry.pushgateway={pushgateway}", "telemetry.pushgateway_retention_seconds=2")
+    run_id = run.paths.run_id
+    push_phases(pushgateway, run)
+    pushed = time.time()
+    errors: list[BaseException] = []
+
+    def evaluate():
+        try:
+            run.evaluate()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=evaluate)
+    worker.start()
+    seen: list[tuple[float, int]] = []  # (seconds since the final push, groups on the gateway)
+    while worker.is_alive():
+        seen.append((time.time() - pushed, len(groups_of(pushgateway, run_id))))
+        time.sleep(0.1)
+    worker.join()
+    finished = time.time() - pushed
+    assert not errors, errors
+    assert seen and seen[0][1] == 2  # right after the final push: both phases
+    assert all(n == 2 for age, n in seen if age < 1.8), seen  # kept for the retention...
+    assert any(age >= 1.5 for age, _ in seen), seen  # (observed late in it)
+    assert finished >= 2.0
+    assert groups_of(pushgateway, run_id) == []  # ...and gone after
+
+
+def test_prometheus_scraped_the_final_values_before_deletion(
+    trained: Path, tmp_path: Path, pushgateway: str, prometheus: str
+):
+    run = trained_run(trained, tmp_path, f"telemetry.pushgateway={pushgateway}", "telemetry.pushgateway_retention_seconds=2")
+    sel = f'{{run_id="{run.paths.run_id}",phase="personalization"}}'
+    push_phases(pushgateway, run, final_round=7)
+    run.evaluate()
+    assert groups_of(pushgateway, run.paths.run_id) == []
+    # Prometheus holds the final values (scraped while the groups were kept)...
+    (final,) = query(prometheus, f"last_over_time(fedpipe_round{sel}[5m])")
+    assert float(final["value"][1]) == 7
+    (done,) = query(prometheus, f"last_over_time(fedpipe_phase_finished{sel}[5m])")
+    assert float(done["value"][1]) == 1
+    # ...and, once it scraped the gateway without them, marks the series stale: not live any more.
+    deadline = time.monotonic() + 10
+    while query(prometheus, f"fedpipe_phase_finished{sel}"):
+        assert time.monotonic() < deadline, "the deleted series is still live in Prometheus"
+        time.sleep(0.25)
+
+
+def test_unreachable_gateway_evaluation_succeeds_with_one_warning(
+    trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, port_factory
+):
+    url = f"http://127.0.0.1:{port_factory()}"
+    run = trained_run(trained, tmp_path, f"telemetry.pushgateway={url}")
+    caplog.set_level(logging.DEBUG, logger="fedpipe")
+    start = time.monotonic()
+    summary = run.evaluate()
+    assert time.monotonic() - start < 10
+    assert summary["title"] and (tmp_path / run.paths.run_id / "report" / "summary.json").exists()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    msg = warnings[0].getMessage()
+    assert url in msg and run.paths.run_id in msg and "Could not delete" in msg
+
+
+def test_push_time_ahead_of_the_clock_waits_only_the_retention(pushgateway: str):
+    lab = labels()
+    PrometheusSink(pushgateway).round_finished(round_event(lab, 1, pacc=None, gacc=None))
+    slept: list[float] = []
+    deleted = delete_run_groups(
+        pushgateway, lab.run_id, retention_seconds=30, sleep=slept.append, clock=lambda: time.time() - 3600
+    )
+    assert slept == [30]
+    assert deleted == [PrometheusSink.grouping_key(lab)]
+    assert groups_of(pushgateway, lab.run_id) == []
