@@ -311,7 +311,9 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
 
 
 HostOpt = Annotated[Optional[str], typer.Option(help="Kubeflow Pipelines API, e.g. http://localhost:8080 (port-forwarded) or, in the cluster, http://ml-pipeline.kubeflow.svc.cluster.local:8888 (default: env KF_PIPELINES_ENDPOINT).")]
-NamespaceOpt = Annotated[Optional[str], typer.Option(help="Kubeflow profile namespace (multi-user Kubeflow).")]
+NamespaceOpt = Annotated[Optional[str], typer.Option(help="Kubeflow profile namespace; required on multi-user Kubeflow (default: kfp's saved namespace, or in a pod its own namespace). A single-user KFP ignores it.")]
+TokenOpt = Annotated[Optional[str], typer.Option(envvar="FEDPIPE_KFP_TOKEN", show_default=False, help="Bearer token for the KFP API (multi-user Kubeflow, outside the cluster), e.g. $(kubectl create token default-editor -n <namespace> --audience pipelines.kubeflow.org); prefer the env var to the flag.")]
+TokenFileOpt = Annotated[Optional[str], typer.Option(envvar="KF_PIPELINES_SA_TOKEN_PATH", help="File holding the bearer token, re-read on each request (default: the pod's projected token /var/run/secrets/kubeflow/pipelines/token when it exists). --token wins.")]
 MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help="Shortcut for --set method.name=METHOD.")]
 NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow (default: fedpipe-<method>).")]
 ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]
@@ -327,7 +329,7 @@ def _cluster_pipeline(config, set, method, deploy: dict, distributed: tuple = ()
 @app.command()
 @_guarded
 def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
-             namespace: NamespaceOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+             namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
              training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
              accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
              s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
@@ -339,7 +341,7 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
 
     cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     name = name or pipeline_name(cfg.method.name)
-    done = do_register(connect(host, namespace), pipeline, name, description=f"fedpipe {cfg.method.name}")
+    done = do_register(connect(host, namespace, token, token_file), pipeline, name, description=f"fedpipe {cfg.method.name}")
     typer.echo(f"pipeline {name}: version {done.version} (pipeline id {done.pipeline_id}, version id {done.version_id})")
 
 
@@ -347,7 +349,8 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
 @_guarded
 def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None,
            experiment: ExperimentOpt = "fedpipe", run_name: Annotated[Optional[str], typer.Option(help="Name of the run in the Kubeflow UI.")] = None,
-           namespace: NamespaceOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+           namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None,
+           image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
              training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
              accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
            s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
@@ -357,7 +360,7 @@ def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, m
     from fedpipe.pipelines.client import submit as do_submit
 
     cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
-    run_id = do_submit(connect(host, namespace), pipeline, experiment, run_name or cfg.run_id(), namespace)
+    run_id = do_submit(connect(host, namespace, token, token_file), pipeline, experiment, run_name or cfg.run_id(), namespace)
     typer.echo(f"submitted run {run_id} of {cfg.method.name} to experiment {experiment!r}")
 
 
@@ -365,7 +368,8 @@ def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, m
 @_guarded
 def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron syntax in UTC, e.g. '0 3 * * *' (daily at 03:00).")],
              host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
-             experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
+             experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None,
+             image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
              training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
              accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None,
              s3_endpoint: S3EndpointOpt = None, s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None,
@@ -381,7 +385,7 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
     kfp_cron(cron)  # a bad expression fails before anything is registered
     cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
     name = name or pipeline_name(cfg.method.name)
-    client = connect(host, namespace)
+    client = connect(host, namespace, token, token_file)
     registered = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")
     job = do_schedule(client, registered, f"{name}-schedule", cron, experiment, namespace)
     typer.echo(f"recurring run {job} of {name} (version {registered.version}) on '{cron}' in experiment {experiment!r}")

@@ -9,8 +9,12 @@ JSON in the shapes ``kfp_server_api`` deserialises (for example ``recurringRuns`
 
 This is NOT Kubeflow and says nothing about a real cluster. It keeps pipelines, pipeline versions,
 experiments, runs and recurring runs in memory with server-generated ids; nothing is ever
-executed or scheduled; there is no authentication, no multi-user mode and no Argo. It mimics only
-the server behaviour the client can observe and fedpipe relies on:
+executed or scheduled; there is no Argo. It mimics only the server behaviour the client can
+observe and fedpipe relies on:
+
+- ``GET /apis/v2beta1/healthz`` answers ``commit_sha``, ``tag_name`` (the release, configurable;
+  ``None`` leaves it out) and ``multi_user``, without authentication, as the real server's plain
+  HTTP handler does (backend/src/apiserver/main.go, ``newHealthzResponse``);
 
 - uploading a pipeline also creates its first version, named after the pipeline (as the real
   upload server does), and answers 409 when a pipeline of that name exists;
@@ -26,6 +30,35 @@ the server behaviour the client can observe and fedpipe relies on:
 Every request is recorded (method, path, query, parsed body; for uploads the multipart fields and
 file content; the raw bytes too) so tests can assert on exactly what went over the wire.
 ``fail(...)`` makes chosen requests answer an error instead, to test error handling.
+
+Multi-user mode (``KfpApiStandIn(multi_user=True)``) enforces what the real API server enforces
+when MULTIUSER=true, as in the Kubeflow manifests (paths under backend/src/apiserver/ of
+kubeflow/pipelines):
+
+- identity (resource/resource_manager.go ``IsAuthorized``, auth/auth.go ``GetAuthenticators``): the
+  ``kubeflow-userid`` header (USERID_HEADER of the Kubeflow manifests, prefix ""), else
+  ``Authorization: Bearer <token>`` checked by a TokenReview with audience pipelines.kubeflow.org
+  (auth/authenticator_token_review.go); here ``add_token(token, user)`` stands for the TokenReview.
+  No identity: 401 (Unauthenticated); an identity not allowed in the namespace: 403
+  (PermissionDenied, a SubjectAccessReview; here ``grant(user, namespace)``);
+- experiments: created and listed only with a namespace, else 400 "An experiment cannot have an empty
+  namespace in multi-user mode" (server/experiment_server.go ``canAccessExperiment``), then
+  authorized in it; listing returns only that namespace's experiments;
+- runs and recurring runs: need an experiment id ("Experiment id can not be empty in multi-user
+  mode", resource_manager.go ``GetValidExperimentNamespacePair``) and take its namespace; a recurring
+  run that names another namespace is refused ("Experiment ... belongs to namespace ... instead of
+  ..."); creating, listing and deleting are authorized in that namespace (server/run_server.go
+  ``createRun``/``canAccessRun``, server/job_server.go ``createJob``/``listJobs``/``canAccessJob``);
+  listing recurring runs without an experiment or a namespace is 400;
+- pipelines: an upload with a ``namespace`` is authorized in it and the pipeline belongs to it; an
+  upload without one makes a shared pipeline, which the real upload server lets through without
+  authorization (server/pipeline_upload_server.go ``canUploadVersionedPipeline``); an authorization
+  failure on upload answers 400 "Failed to create a pipeline" as that server does; reading or listing
+  shared pipelines needs no identity (server/pipeline_server.go ``canAccessPipeline``), a namespace's
+  pipelines do; a pipeline's versions inherit its namespace.
+
+In single-user mode (the default) namespaces are dropped on the way in, as the real server's
+``ReplaceNamespace`` does, and nothing is authenticated.
 
 Usage::
 
@@ -113,11 +146,15 @@ def _new_id() -> str:
 class KfpApiStandIn:
     """The stand-in server; ``start()`` / ``stop()`` or use it as a context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, multi_user: bool = False, tag_name: str | None = "2.15.0") -> None:
         self.lock = threading.RLock()
         self.recorded: list[Recorded] = []
         self.faults: list[_Fault] = []
-        self.multi_user = False
+        self.multi_user = multi_user
+        self.tag_name = tag_name  # healthz tag_name (the TAG_NAME the server image was built with); None: left out
+        self.commit_sha = "0f2c9a1e"
+        self.tokens: dict[str, str] = {}  # bearer token -> user: what a TokenReview would answer
+        self.access: dict[str, set[str]] = {}  # user -> namespaces: what SubjectAccessReviews would allow
         self.pipelines: dict[str, dict] = {}
         self.versions: dict[str, dict] = {}  # version id -> version (with "pipeline_id")
         self.specs: dict[str, bytes] = {}  # version id -> the uploaded file
@@ -128,7 +165,8 @@ class KfpApiStandIn:
         self._thread: threading.Thread | None = None
         default = {"experiment_id": _new_id(), "display_name": "Default", "description": "All runs created without specifying an experiment will be grouped here.",
                    "created_at": _now(), "namespace": "", "storage_state": "AVAILABLE"}
-        self.experiments[default["experiment_id"]] = default  # a fresh KFP has a "Default" experiment
+        if not multi_user:  # a fresh single-user KFP has a "Default" experiment; multi-user ones are per namespace
+            self.experiments[default["experiment_id"]] = default
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -178,6 +216,16 @@ class KfpApiStandIn:
         with self.lock:
             self.faults.clear()
 
+    def add_token(self, token: str, user: str) -> None:
+        """A bearer token the (simulated) TokenReview accepts, for `user`."""
+        with self.lock:
+            self.tokens[token] = user
+
+    def grant(self, user: str, *namespaces: str) -> None:
+        """Let `user` do anything with KFP resources in these namespaces (a profile's contributor)."""
+        with self.lock:
+            self.access.setdefault(user, set()).update(namespaces)
+
     def requests(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
         """Recorded requests, optionally only those with this method and this exact path."""
         with self.lock:
@@ -187,13 +235,15 @@ class KfpApiStandIn:
         with self.lock:
             return [v for v in self.versions.values() if v["pipeline_id"] == pipeline_id]
 
-    def pipeline_named(self, name: str) -> dict | None:
+    def pipeline_named(self, name: str, namespace: str | None = None) -> dict | None:
         with self.lock:
-            return next((p for p in self.pipelines.values() if p["display_name"] == name), None)
+            return next((p for p in self.pipelines.values() if p["display_name"] == name
+                         and (namespace is None or p["namespace"] == namespace)), None)
 
-    def experiment_named(self, name: str) -> dict | None:
+    def experiment_named(self, name: str, namespace: str | None = None) -> dict | None:
         with self.lock:
-            return next((e for e in self.experiments.values() if e["display_name"] == name), None)
+            return next((e for e in self.experiments.values() if e["display_name"] == name
+                         and (namespace is None or e["namespace"] == namespace)), None)
 
     # -- dispatch ---------------------------------------------------------------------------------
 
@@ -291,7 +341,52 @@ class KfpApiStandIn:
     # -- healthz ----------------------------------------------------------------------------------
 
     def _healthz(self, req):
-        return {"multi_user": self.multi_user, "pipeline_store": "database"}
+        health = {"commit_sha": self.commit_sha, "tag_name": self.tag_name, "multi_user": self.multi_user, "pipeline_store": "database"}
+        return {k: v for k, v in health.items() if v is not None}
+
+    # -- multi-user: namespaces, identity and authorization ---------------------------------------
+
+    def _namespace(self, namespace: str | None) -> str:
+        """resource_manager.go ReplaceNamespace: kept in multi-user mode, dropped in single-user mode."""
+        return (namespace or "") if self.multi_user else ""
+
+    def _identity(self, req: Recorded) -> str:
+        """The caller, as IsAuthorized finds it: the user id header, else a bearer token a TokenReview accepts."""
+        headers = {k.lower(): v for k, v in req.headers.items()}
+        if headers.get("kubeflow-userid"):
+            return headers["kubeflow-userid"]
+        errors = ["Request header error: there is no user identity header."]
+        authorization = headers.get("authorization")
+        if authorization is not None:
+            if not authorization.startswith("Bearer "):
+                errors.append("Header 'Authorization' is incorrectly formatted. Expected prefix 'Bearer '")
+            elif authorization[len("Bearer "):] in self.tokens:
+                return self.tokens[authorization[len("Bearer "):]]
+            else:
+                errors.append("Authentication failure: Review.Status.Authenticated is false")
+        raise ApiError(401, "Failed to check authorization. User identity is empty in the request header: [" + ", ".join(errors[1:] or errors) + "]")
+
+    def _authorize(self, req: Recorded, namespace: str, verb: str, resource: str, context: str) -> None:
+        """IsAuthorized (resource_manager.go): skipped in single-user mode; 401 without an identity, 403
+        when the identity may not `verb` `resource` in `namespace`."""
+        if not self.multi_user:
+            return
+        try:
+            user = self._identity(req)
+        except ApiError as e:
+            raise ApiError(e.status, f"{context}: {e.message}") from None
+        if namespace not in self.access.get(user, set()):
+            raise ApiError(403, f"{context}: User '{user}' is not authorized with reason: no RBAC policy matched "
+                                f"(request: namespace={namespace} verb={verb} group=pipelines.kubeflow.org resource={resource})")
+
+    def _require_namespace(self, namespace: str, message: str) -> None:
+        if self.multi_user and not namespace:
+            raise ApiError(400, message)
+
+    def _authorize_pipeline(self, req: Recorded, pipeline: dict, verb: str) -> None:
+        """canAccessPipeline (pipeline_server.go): reading a shared pipeline (no namespace) needs no identity."""
+        if pipeline["namespace"]:
+            self._authorize(req, pipeline["namespace"], verb, "pipelines", f"Failed to access pipeline {pipeline['pipeline_id']}")
 
     # -- pipelines --------------------------------------------------------------------------------
 
@@ -321,11 +416,17 @@ class KfpApiStandIn:
 
     def _upload_pipeline(self, req):
         filename, content, spec = self._uploaded_spec(req)
+        namespace = self._namespace(req.param("namespace"))
+        if namespace:  # canUploadVersionedPipeline: a shared pipeline (no namespace) is not authorized at all
+            try:
+                self._authorize(req, namespace, "create", "pipelines", "Authorization Failure")
+            except ApiError:
+                raise ApiError(400, "Failed to create a pipeline") from None  # the upload server's answer to any authz error
         name = req.param("display_name") or req.param("name") or filename
-        if self.pipeline_named(name) is not None:
+        if self.pipeline_named(name, namespace) is not None:  # names are unique within a namespace
             raise ApiError(409, "Failed to create a pipeline and a pipeline version")
         pipeline = {"pipeline_id": _new_id(), "display_name": name, "name": req.param("name") or name,
-                    "description": req.param("description") or "", "created_at": _now(), "namespace": req.param("namespace") or ""}
+                    "description": req.param("description") or "", "created_at": _now(), "namespace": namespace}
         self.pipelines[pipeline["pipeline_id"]] = pipeline
         # like the real upload server: the pipeline's first version is named after the pipeline
         self._add_version(pipeline["pipeline_id"], name, pipeline["description"], content, spec)
@@ -338,35 +439,54 @@ class KfpApiStandIn:
             raise ApiError(400, "Failed to create a pipeline version")
         if pipeline_id not in self.pipelines:
             raise ApiError(400, "Failed to create a pipeline version")  # the real server: 400 for an unknown pipeline id
+        namespace = self.pipelines[pipeline_id]["namespace"]  # a version belongs to its pipeline's namespace
+        if namespace:
+            try:
+                self._authorize(req, namespace, "create", "pipelines", "Authorization Failure")
+            except ApiError:
+                raise ApiError(400, "Failed to create a pipeline version") from None
         name = req.param("display_name") or req.param("name") or filename
         if any(v["display_name"] == name for v in self.versions_of(pipeline_id)):
             raise ApiError(409, "Failed to create a pipeline version")
         return self._add_version(pipeline_id, name, req.param("description") or "", content, spec)
 
     def _list_pipelines(self, req):
-        return self._page(req, list(self.pipelines.values()), "pipelines")
+        namespace = self._namespace(req.param("namespace"))
+        if not self.multi_user:
+            return self._page(req, list(self.pipelines.values()), "pipelines")
+        if namespace:  # listPipelines: a namespace's own pipelines, authorized; without one the shared pipelines
+            self._authorize(req, namespace, "list", "pipelines", "Failed to list pipelines due to authorization error. "
+                                                                 f"Check if you have read permission to namespace {namespace}")
+        return self._page(req, [p for p in self.pipelines.values() if p["namespace"] == namespace], "pipelines")
 
     def _get_pipeline(self, req, pipeline_id):
         if pipeline_id not in self.pipelines:
             raise ApiError(404, f"Pipeline {pipeline_id} not found")
+        self._authorize_pipeline(req, self.pipelines[pipeline_id], "get")
         return self.pipelines[pipeline_id]
 
     def _list_versions(self, req, pipeline_id):
         if pipeline_id not in self.pipelines:
             raise ApiError(404, f"Pipeline {pipeline_id} not found")
+        self._authorize_pipeline(req, self.pipelines[pipeline_id], "list")
         return self._page(req, self.versions_of(pipeline_id), "pipeline_versions")
 
     def _get_version(self, req, pipeline_id, version_id):
         version = self.versions.get(version_id)
         if version is None or version["pipeline_id"] != pipeline_id:
             raise ApiError(404, f"Pipeline version {version_id} not found")
+        self._authorize_pipeline(req, self.pipelines[pipeline_id], "get")
         return version
 
     # -- experiments ------------------------------------------------------------------------------
 
     def _list_experiments(self, req):
-        namespace = req.param("namespace")
-        items = [e for e in self.experiments.values() if not namespace or e["namespace"] == namespace]
+        namespace = self._namespace(req.param("namespace"))
+        if self.multi_user:  # listExperiments -> canAccessExperiment
+            self._require_namespace(namespace, "List experiments failed: Failed to authorize with API: "
+                                               "An experiment cannot have an empty namespace in multi-user mode")
+            self._authorize(req, namespace, "list", "experiments", "List experiments failed: Failed to authorize with API")
+        items = [e for e in self.experiments.values() if not self.multi_user or e["namespace"] == namespace]
         return self._page(req, items, "experiments")
 
     def _create_experiment(self, req):
@@ -374,7 +494,11 @@ class KfpApiStandIn:
         name = body.get("display_name")
         if not name:
             raise ApiError(400, "Experiment name is empty. Please specify a valid experiment name")
-        namespace = body.get("namespace") or ""
+        namespace = self._namespace(body.get("namespace"))
+        if self.multi_user:  # createExperiment -> canAccessExperiment
+            self._require_namespace(namespace, "Failed to create a experiment: Failed to authorize the request: "
+                                               "An experiment cannot have an empty namespace in multi-user mode")
+            self._authorize(req, namespace, "create", "experiments", "Failed to create a experiment: Failed to authorize the request")
         if any(e["display_name"] == name and e["namespace"] == namespace for e in self.experiments.values()):
             raise ApiError(409, f"Failed to create a new experiment: experiment {name!r} already exists")
         experiment = {"experiment_id": _new_id(), "display_name": name, "description": body.get("description") or "",
@@ -385,6 +509,7 @@ class KfpApiStandIn:
     def _get_experiment(self, req, experiment_id):
         if experiment_id not in self.experiments:
             raise ApiError(404, f"Experiment {experiment_id} not found")
+        self._authorize(req, self.experiments[experiment_id]["namespace"], "get", "experiments", "Failed to fetch experiment")
         return self.experiments[experiment_id]
 
     # -- runs and recurring runs ------------------------------------------------------------------
@@ -400,29 +525,75 @@ class KfpApiStandIn:
             if version is None or version["pipeline_id"] != reference.get("pipeline_id"):
                 raise ApiError(404, f"Pipeline version {reference} not found")
 
+    def _experiment_namespace(self, body: dict, what: str) -> str:
+        """GetValidExperimentNamespacePair (resource_manager.go) for a new run or recurring run: in multi-user
+        mode the experiment id is required and its namespace is the one of the new resource; a namespace
+        named in the request must be that one."""
+        if not self.multi_user:
+            return ""
+        context = f"Failed to create a {what} due to invalid experimentId and namespace combination"
+        experiment_id = body.get("experiment_id")
+        if not experiment_id:
+            raise ApiError(400, f"{context}: Experiment id can not be empty in multi-user mode")
+        if experiment_id not in self.experiments:
+            raise ApiError(404, f"{context}: Failed to fetch namespace for experiment {experiment_id}: Experiment {experiment_id} not found")
+        namespace = self.experiments[experiment_id]["namespace"]
+        claimed = body.get("namespace") or ""
+        if claimed and claimed != namespace:
+            raise ApiError(400, f"{context}: Experiment {experiment_id} belongs to namespace '{namespace}' instead of '{claimed}'")
+        return namespace
+
+    def _namespace_of_list(self, req: Recorded, what: str) -> str:
+        """listRuns / listJobs: the experiment's namespace when filtering by experiment, else the namespace asked for."""
+        namespace = self._namespace(req.param("namespace"))
+        experiment_id = req.param("experiment_id")
+        if experiment_id:
+            if experiment_id not in self.experiments:
+                raise ApiError(404, f"Failed to list {what} due to error fetching namespace for experiment {experiment_id}")
+            namespace = self.experiments[experiment_id]["namespace"]
+        return namespace
+
     def _create_run(self, req):
         body = req.body or {}
         if not body.get("display_name"):
             raise ApiError(400, "The run name is empty. Please specify a valid name")
+        namespace = self._experiment_namespace(body, "run")  # run_server.go createRun
+        if self.multi_user:
+            self._require_namespace(namespace, "A run cannot have an empty namespace in multi-user mode")
+            self._authorize(req, namespace, "create", "runs", "Failed to create a new run: Failed to create a run due to "
+                                                              f"authorization error. Check if you have write permissions to namespace {namespace}")
         self._check_source(body)
         run = {**body, "run_id": _new_id(), "storage_state": "AVAILABLE", "state": "PENDING",
-               "created_at": _now(), "scheduled_at": _now()}
+               "created_at": _now(), "scheduled_at": _now(), "namespace": namespace}
         self.runs[run["run_id"]] = run
         return run
 
     def _list_runs(self, req):
+        namespace = self._namespace_of_list(req, "runs")
         experiment_id = req.param("experiment_id")
-        return self._page(req, [r for r in self.runs.values() if not experiment_id or r["experiment_id"] == experiment_id], "runs")
+        if self.multi_user:  # listRuns -> canAccessRun
+            self._require_namespace(namespace, "Failed to list runs: A run cannot have an empty namespace in multi-user mode")
+            self._authorize(req, namespace, "list", "runs", "Failed to list runs due to authorization error. "
+                                                            f"Check if you have permission to access namespace {namespace}")
+        items = [r for r in self.runs.values() if (not experiment_id or r["experiment_id"] == experiment_id)
+                 and (not self.multi_user or r["namespace"] == namespace)]
+        return self._page(req, items, "runs")
 
     def _get_run(self, req, run_id):
         if run_id not in self.runs:
             raise ApiError(404, f"Run {run_id} not found")
+        self._authorize(req, self.runs[run_id]["namespace"], "get", "runs", f"Failed to access run {run_id}")
         return self.runs[run_id]
 
     def _create_recurring_run(self, req):
         body = req.body or {}
         if not body.get("display_name"):
             raise ApiError(400, "The recurring run name is empty. Please specify a valid name")
+        namespace = self._experiment_namespace(body, "recurring run")  # job_server.go createJob
+        if self.multi_user:
+            self._require_namespace(namespace, "Failed to create a recurring run: Recurring run cannot have an empty namespace in multi-user mode")
+            self._authorize(req, namespace, "create", "jobs", "Failed to create a recurring run: Failed to create a recurring run due to "
+                                                              f"authorization error. Check if you have write permission to namespace {namespace}")
         self._check_source(body)
         trigger = body.get("trigger") or {}
         if not (trigger.get("cron_schedule") or {}).get("cron") and not trigger.get("periodic_schedule"):
@@ -435,18 +606,28 @@ class KfpApiStandIn:
         return recurring
 
     def _list_recurring_runs(self, req):
+        namespace = self._namespace_of_list(req, "recurring runs")
         experiment_id = req.param("experiment_id")
-        items = [r for r in self.recurring_runs.values() if not experiment_id or r["experiment_id"] == experiment_id]
+        if self.multi_user:  # listJobs -> canAccessJob
+            self._require_namespace(namespace, "Failed to list jobs: a recurring run cannot have an empty namespace in multi-user mode")
+            self._authorize(req, namespace, "list", "jobs", "Failed to list jobs: Failed to list recurring runs due to authorization "
+                                                            f"error. Check if you have permission to access namespace {namespace}")
+        items = [r for r in self.recurring_runs.values() if (not experiment_id or r["experiment_id"] == experiment_id)
+                 and (not self.multi_user or r["namespace"] == namespace)]
         return self._page(req, items, "recurringRuns")  # the v2beta1 proto field is literally `recurringRuns`
 
     def _get_recurring_run(self, req, recurring_run_id):
         if recurring_run_id not in self.recurring_runs:
             raise ApiError(404, f"Recurring run {recurring_run_id} not found")
+        self._authorize(req, self.recurring_runs[recurring_run_id]["namespace"], "get", "jobs", "Failed to authorize the request")
         return self.recurring_runs[recurring_run_id]
 
     def _delete_recurring_run(self, req, recurring_run_id):
-        if self.recurring_runs.pop(recurring_run_id, None) is None:
+        if recurring_run_id not in self.recurring_runs:
             raise ApiError(404, f"Recurring run {recurring_run_id} not found")
+        self._authorize(req, self.recurring_runs[recurring_run_id]["namespace"], "delete", "jobs",
+                        "Failed to delete a recurring run: Failed to authorize the request")
+        del self.recurring_runs[recurring_run_id]
         return {}
 
 

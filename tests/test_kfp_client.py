@@ -5,6 +5,11 @@ loopback port, NOT Kubeflow) answers the v2beta1 REST API. The commands run in-p
 typer's CliRunner and talk to it with the real `kfp.Client`, so these tests check the requests
 our code makes through the real kfp library: the uploaded pipeline file, the run and recurring-run
 JSON, and how server errors and an unreachable server reach the user.
+
+The multi-user tests run the stand-in in its multi-user mode, which refuses what the real API server
+of multi-user Kubeflow refuses (no identity, a namespace the caller may not use, experiments without
+a namespace, ...; see kfp_api_standin for the Go sources), and the version tests make it report an
+older or an unknown release in healthz.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import kfp
 import pytest
@@ -24,6 +30,7 @@ from kfp_api_standin import KfpApiStandIn
 from typer.testing import CliRunner
 
 import fedpipe
+import fedpipe.pipelines.client as kfp_client
 from fedpipe.cli import app
 from fedpipe.errors import FedpipeError
 from fedpipe.pipelines.client import kfp_cron
@@ -32,6 +39,9 @@ API = "/apis/v2beta1"
 UPLOAD = f"{API}/pipelines/upload"
 UPLOAD_VERSION = f"{API}/pipelines/upload_version"
 VERSION_NAME = re.compile(re.escape(fedpipe.__version__) + r"-[0-9a-f]{12}")
+
+# kfp_client's own value, before the autouse fixture below points it at a file that is not there.
+PROJECTED_TOKEN_PATH = getattr(kfp_client, "IN_CLUSTER_TOKEN_PATH", None)
 
 # Unmistakable dummies for the leak check.
 ACCESS_KEY = "LEAKCHECK-AKID-4c1e7b90"
@@ -45,10 +55,12 @@ def _isolated(monkeypatch, tmp_path):
                  "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME", "KF_PIPELINES_IAP_OAUTH2_CLIENT_ID",
                  "KF_PIPELINES_APP_OAUTH2_CLIENT_ID", "KF_PIPELINES_APP_OAUTH2_CLIENT_SECRET",
                  "FEDPIPE_IMAGE", "FEDPIPE_STORE", "FEDPIPE_S3_ENDPOINT", "FEDPIPE_S3_SECRET", "FEDPIPE_PUSHGATEWAY",
-                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FEDPIPE_KFP_TOKEN", "KF_PIPELINES_SA_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
     # kfp keeps a namespace in ~/.config/kfp/context.json; point it at an empty folder
     monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
+    # no projected token here, whatever this machine has at /var/run/secrets/kubeflow/pipelines/token
+    monkeypatch.setattr(kfp_client, "IN_CLUSTER_TOKEN_PATH", str(tmp_path / "no-projected-token"), raising=False)
 
 
 @pytest.fixture
@@ -327,3 +339,263 @@ def test_no_credentials_from_the_environment_are_sent(kfp_api, monkeypatch):
     [run] = kfp_api.requests("POST", f"{API}/runs")
     platform = json.dumps(run.body["pipeline_spec"]["platform_spec"])
     assert "AWS_SECRET_ACCESS_KEY" in platform and "secretNameParameter" in platform
+
+
+# -- multi-user Kubeflow --------------------------------------------------------------------------
+
+TEAM = "team-a"
+USER = "system:serviceaccount:team-a:fedpipe"
+TOKEN = "kfp-token-3b9e2c-for-team-a"
+HEALTHZ = f"{API}/healthz"
+
+
+@pytest.fixture
+def kfp_multi_user():
+    """A multi-user KFP API: TOKEN is USER's (a TokenReview would say so), and USER may work in TEAM only."""
+    with KfpApiStandIn(multi_user=True) as server:
+        server.add_token(TOKEN, USER)
+        server.grant(USER, TEAM)
+        yield server
+
+
+def authorization(request) -> str | None:
+    return next((v for k, v in request.headers.items() if k.lower() == "authorization"), None)
+
+
+def assert_all_authenticated(server, token: str = TOKEN) -> None:
+    """Every call but healthz (which the real server answers to anyone) carried the token, and none was refused."""
+    calls = [r for r in server.recorded if r.path != HEALTHZ]
+    assert calls
+    for request in calls:
+        assert authorization(request) == f"Bearer {token}", f"{request.method} {request.path}: {authorization(request)!r}"
+        assert request.status == 200, f"{request.method} {request.path} answered {request.status}"
+
+
+def token_file(tmp_path, token: str = TOKEN):
+    path = tmp_path / "kfp-token"
+    path.write_text(token + "\n")
+    return path
+
+
+def test_in_the_cluster_the_projected_token_is_sent_and_the_pipeline_belongs_to_the_namespace(kfp_multi_user, tmp_path, monkeypatch):
+    """Where the chart mounts it, with --host given (kfp itself only uses that token when no host is given)."""
+    monkeypatch.setattr(kfp_client, "IN_CLUSTER_TOKEN_PATH", str(token_file(tmp_path)), raising=False)
+    ok(fedpipe_cli("register", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM))
+
+    assert_all_authenticated(kfp_multi_user)
+    [upload] = kfp_multi_user.requests("POST", UPLOAD)
+    assert upload.param("namespace") == TEAM, "the pipeline belongs to the profile, not to every profile"
+    pipeline = kfp_multi_user.pipeline_named("fedpipe-fedavg", TEAM)
+    assert pipeline is not None and kfp_multi_user.pipeline_named("fedpipe-fedavg", "") is None
+    [listing] = kfp_multi_user.requests("GET", f"{API}/pipelines")
+    assert listing.param("namespace") == TEAM
+
+    # registering again finds it in the namespace: no second pipeline, no new version
+    ok(fedpipe_cli("register", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM))
+    assert len(kfp_multi_user.requests("POST", UPLOAD)) == 1 and len(kfp_multi_user.requests("POST", UPLOAD_VERSION)) == 1
+    assert_all_authenticated(kfp_multi_user)
+
+
+def test_submit_with_the_token_file_the_chart_names_puts_experiment_and_run_in_the_namespace(kfp_multi_user, tmp_path, monkeypatch):
+    path = token_file(tmp_path)
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(path))  # what the chart's registration Job sets
+    ok(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM, "--experiment", "exp1"))
+
+    assert_all_authenticated(kfp_multi_user)
+    [created] = kfp_multi_user.requests("POST", f"{API}/experiments")
+    assert created.body["namespace"] == TEAM
+    experiment = kfp_multi_user.experiment_named("exp1", TEAM)
+    assert experiment is not None
+    [run] = kfp_multi_user.runs.values()
+    assert run["experiment_id"] == experiment["experiment_id"] and run["namespace"] == TEAM
+
+    # the kubelet rotates the token: the file is read again for each request
+    kfp_multi_user.add_token("rotated-token", USER)
+    path.write_text("rotated-token")
+    kfp_multi_user.recorded.clear()
+    ok(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM, "--experiment", "exp1"))
+    assert_all_authenticated(kfp_multi_user, "rotated-token")
+    assert len(kfp_multi_user.runs) == 2 and not kfp_multi_user.requests("POST", f"{API}/experiments")
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_schedule_from_outside_with_a_token_makes_the_recurring_run_in_the_namespace(kfp_multi_user, monkeypatch, how):
+    token = ["--token", TOKEN] if how == "flag" else []
+    if how == "env":
+        monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM, *token))
+
+    assert_all_authenticated(kfp_multi_user)
+    experiment = kfp_multi_user.experiment_named("fedpipe", TEAM)
+    assert experiment is not None
+    [(old_id, job)] = kfp_multi_user.recurring_runs.items()
+    assert job["namespace"] == TEAM and job["experiment_id"] == experiment["experiment_id"]
+    pipeline = kfp_multi_user.pipeline_named("fedpipe-fedavg", TEAM)
+    assert job["pipeline_version_reference"]["pipeline_id"] == pipeline["pipeline_id"]
+
+    # replacing it: listed and deleted in the namespace
+    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "30 4 * * *", "--namespace", TEAM, *token))
+    assert_all_authenticated(kfp_multi_user)
+    [delete] = kfp_multi_user.requests("DELETE")
+    assert delete.path == f"{API}/recurringruns/{old_id}"
+    [job] = kfp_multi_user.recurring_runs.values()
+    assert job["trigger"]["cron_schedule"]["cron"] == "0 30 4 * * *" and job["namespace"] == TEAM
+
+
+@pytest.mark.parametrize("command", [["register"], ["submit"], ["schedule", "--cron", "0 3 * * *"]], ids=["register", "submit", "schedule"])
+def test_multi_user_without_a_namespace_is_refused_before_anything_is_sent(kfp_multi_user, command):
+    message = error_paragraph(fedpipe_cli(*command, "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
+    assert "multi-user" in message and "--namespace" in message
+    assert {r.path for r in kfp_multi_user.recorded} == {HEALTHZ}, "nothing is looked up or uploaded"
+    assert not kfp_multi_user.pipelines and not kfp_multi_user.experiments
+
+
+def test_the_namespace_kfp_remembers_is_used(kfp_multi_user, tmp_path):
+    """kfp's own mechanism: kfp.Client().set_user_namespace() saves it in ~/.config/kfp/context.json."""
+    (tmp_path / "kfp-context.json").write_text(json.dumps({"namespace": TEAM}))
+    ok(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
+    assert_all_authenticated(kfp_multi_user)
+    assert kfp_multi_user.experiment_named("fedpipe", TEAM) is not None
+    assert [r["namespace"] for r in kfp_multi_user.runs.values()] == [TEAM]
+
+
+def test_multi_user_without_credentials_says_how_to_pass_a_token(kfp_multi_user):
+    message = error_paragraph(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM))
+    assert "refused to look up the experiment" in message and "User identity is empty" in message
+    assert "--token" in message and "pipelines.kubeflow.org" in message
+    assert not kfp_multi_user.experiments and not kfp_multi_user.runs
+
+
+def test_a_token_the_server_does_not_accept_is_refused(kfp_multi_user):
+    message = error_paragraph(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *",
+                                          "--namespace", TEAM, "--token", "not-a-token"))
+    assert "Authentication failure" in message and "--token" in message
+    assert not kfp_multi_user.recurring_runs
+
+
+def test_a_namespace_the_caller_may_not_use_is_refused(kfp_multi_user):
+    message = error_paragraph(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", "team-b", "--token", TOKEN))
+    assert f"User '{USER}' is not authorized" in message and "team-b" in message and "--namespace" in message
+    assert not kfp_multi_user.experiments
+
+
+def test_a_token_file_that_cannot_be_read_is_one_paragraph(kfp_multi_user, tmp_path):
+    missing = tmp_path / "nowhere" / "token"
+    message = error_paragraph(fedpipe_cli("register", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM,
+                                          "--token-file", missing))
+    assert str(missing) in message and "--token-file" in message
+    assert not kfp_multi_user.recorded
+
+
+def test_the_in_cluster_token_is_where_kfp_and_the_chart_put_it():
+    import kfp.client
+
+    assert PROJECTED_TOKEN_PATH == kfp.client.KF_PIPELINES_SA_TOKEN_PATH
+    assert kfp_client.TOKEN_FILE_ENV == kfp.client.KF_PIPELINES_SA_TOKEN_ENV
+    helpers = (Path(__file__).parents[1] / "charts" / "fedpipe" / "templates" / "_helpers.tpl").read_text()
+    assert f"mountPath: {os.path.dirname(PROJECTED_TOKEN_PATH)}\n" in helpers
+
+
+def test_a_single_user_server_takes_the_token_and_needs_no_namespace(kfp_api):
+    ok(fedpipe_cli("schedule", "--host", kfp_api.url, "--method", "fedavg", "--cron", "0 3 * * *", "--token", TOKEN))
+    assert all(authorization(r) == f"Bearer {TOKEN}" for r in kfp_api.recorded if r.path != HEALTHZ)
+    assert len(kfp_api.recurring_runs) == 1
+
+
+# -- the multi-user stand-in refuses what the real server refuses ---------------------------------
+
+
+def call(server, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(server.url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_multi_user_standin_enforces_identity_and_namespaces(kfp_multi_user):
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    status, health = call(kfp_multi_user, "GET", HEALTHZ)  # no identity needed
+    assert status == 200 and health["multi_user"] is True and health["tag_name"]
+
+    assert call(kfp_multi_user, "POST", f"{API}/experiments", {"display_name": "e", "namespace": TEAM})[0] == 401
+    status, error = call(kfp_multi_user, "POST", f"{API}/experiments", {"display_name": "e"}, bearer)
+    assert status == 400 and "cannot have an empty namespace in multi-user mode" in error["message"]
+    assert call(kfp_multi_user, "POST", f"{API}/experiments", {"display_name": "e", "namespace": "team-b"}, bearer)[0] == 403
+    status, experiment = call(kfp_multi_user, "POST", f"{API}/experiments", {"display_name": "e", "namespace": TEAM},
+                              {"kubeflow-userid": USER})  # the header Istio sets behind the Kubeflow ingress
+    assert status == 200 and experiment["namespace"] == TEAM
+    assert call(kfp_multi_user, "GET", f"{API}/experiments", headers=bearer)[0] == 400
+
+    spec = {"pipelineInfo": {"name": "p"}, "root": {}}
+    status, error = call(kfp_multi_user, "POST", f"{API}/runs", {"display_name": "r", "pipeline_spec": spec}, bearer)
+    assert status == 400 and "Experiment id can not be empty in multi-user mode" in error["message"]
+    job = {"display_name": "j", "experiment_id": experiment["experiment_id"], "pipeline_spec": spec,
+           "trigger": {"cron_schedule": {"cron": "0 0 3 * * *"}}}
+    status, error = call(kfp_multi_user, "POST", f"{API}/recurringruns", {**job, "namespace": "team-b"}, bearer)
+    assert status == 400 and f"belongs to namespace '{TEAM}' instead of 'team-b'" in error["message"]
+    assert call(kfp_multi_user, "POST", f"{API}/recurringruns", job)[0] == 401
+    status, made = call(kfp_multi_user, "POST", f"{API}/recurringruns", job, bearer)
+    assert status == 200 and made["namespace"] == TEAM
+    assert call(kfp_multi_user, "GET", f"{API}/recurringruns", headers=bearer)[0] == 400  # neither experiment nor namespace
+    assert call(kfp_multi_user, "DELETE", f"{API}/recurringruns/{made['recurring_run_id']}")[0] == 401
+
+
+# -- the KFP backend's version --------------------------------------------------------------------
+
+
+@pytest.fixture
+def kfp_release():
+    """A single-user stand-in whose healthz reports the release the test sets."""
+    with KfpApiStandIn() as server:
+        yield server
+
+
+@pytest.mark.parametrize("tag", ["2.4.1", "2.3.0", "2.2.0", "v2.0.5", "1.8.5"])
+def test_a_too_old_kfp_backend_is_refused_before_anything_is_uploaded(kfp_release, tag):
+    kfp_release.tag_name = tag
+    message = error_paragraph(fedpipe_cli("register", "--host", kfp_release.url, "--method", "fedavg"))
+    assert f"version {tag}" in message and kfp_client.MIN_KFP_BACKEND in message and "Kubeflow 1.10" in message
+    assert {r.path for r in kfp_release.recorded} == {HEALTHZ}
+
+
+@pytest.mark.parametrize("command", [["submit"], ["schedule", "--cron", "0 3 * * *"]], ids=["submit", "schedule"])
+def test_submit_and_schedule_also_refuse_a_too_old_backend(kfp_release, command):
+    kfp_release.tag_name = "2.3.0"
+    message = error_paragraph(fedpipe_cli(*command, "--host", kfp_release.url, "--method", "fedavg"))
+    assert "version 2.3.0" in message and "2.5.0" in message
+    assert not kfp_release.runs and not kfp_release.recurring_runs and not kfp_release.pipelines
+
+
+def test_the_version_floor_is_2_5_0():
+    assert kfp_client.MIN_KFP_BACKEND == "2.5.0"
+
+
+@pytest.mark.parametrize("tag", ["2.5.0", "2.5.1", "2.14.3", "v2.15.0", "2.5.0-rc.1", "3.0.0"])
+def test_a_new_enough_kfp_backend_is_accepted_quietly(kfp_release, tag):
+    kfp_release.tag_name = tag
+    result = ok(fedpipe_cli("register", "--host", kfp_release.url, "--method", "fedavg"))
+    assert "cannot tell" not in result.stderr
+    assert len(kfp_release.pipelines) == 1
+
+
+@pytest.mark.parametrize("tag", ["unknown", "", "master", "dev", "0f2c9a1e", None], ids=lambda t: repr(t))
+def test_an_unknown_kfp_backend_version_is_a_warning_and_goes_on(kfp_release, tag):
+    """A server built without TAG_NAME says 'unknown' (main.go: GetStringConfigWithDefault("TAG_NAME", "unknown"));
+    a dev build may say anything; None leaves tag_name out. fedpipe cannot tell, says so and goes on."""
+    kfp_release.tag_name = tag
+    result = ok(fedpipe_cli("register", "--host", kfp_release.url, "--method", "fedavg"))
+    warning = [line for line in result.stderr.splitlines() if "cannot tell the version" in line]
+    assert len(warning) == 1 and "2.5.0" in warning[0] and repr(tag) in warning[0]
+    assert len(kfp_release.pipelines) == 1
+
+
+@pytest.mark.parametrize("tag, parsed", [("2.5.0", (2, 5, 0)), ("v2.14.3", (2, 14, 3)), ("2.15.0-rc.1", (2, 15, 0)), ("2.5", (2, 5, 0)),
+                                         (" 2.4.1 ", (2, 4, 1)), ("unknown", None), ("", None), (None, None), ("master", None), ("2", None)])
+def test_parse_kfp_version(tag, parsed):
+    assert kfp_client.parse_kfp_version(tag) == parsed

@@ -34,7 +34,10 @@ ALL_ON = [
     "--set", "serviceMonitor.labels.release=kube-prometheus-stack",
     "--set", "networkPolicy.enabled=true",
     "--set", "dashboard.annotations.grafana_folder=fedpipe",
-    "--set", "image.flavor=cuda",
+    "--set", "image.tag=0.2.0",
+    "--set", "image.trainingTag=0.2.0-cuda12",
+    "--set", "training.acceleratorCount=2",
+    "--set", "kubeflow.namespace=kubeflow-user-example-com",
 ]  # fmt: skip
 
 

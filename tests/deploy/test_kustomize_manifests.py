@@ -27,14 +27,16 @@ def test_overlay_with_components_validates(build_kustomization, validate_k8s, ku
     assert subject["namespace"] == "team-a"
 
 
-def test_schedule_component_registers_then_schedules(build_kustomization, kustomize_overlay):
+def test_schedule_component_schedules_with_the_same_flags(build_kustomization, kustomize_overlay):
+    (register,) = only(build_kustomization(MANIFESTS), "Job")["spec"]["template"]["spec"]["containers"]
     docs = build_kustomization(kustomize_overlay)
     pod = only(docs, "Job", "fedpipe-register")["spec"]["template"]["spec"]
-    (register,) = pod["initContainers"]
+    # `fedpipe schedule` uploads the version itself: one container, so one new version per run of the Job.
+    assert "initContainers" not in pod
     (schedule,) = pod["containers"]
     assert register["args"][0] == "register" and schedule["args"][0] == "schedule"
-    assert any(arg.startswith("--cron=") for arg in schedule["args"])
-    # The copy keeps everything but the name and arguments: same image, mounts, locks.
+    # The same deployment flags as the register Job (images, GPU, resources, Pushgateway, namespace), then the schedule.
+    assert schedule["args"][1:] == [*register["args"][1:], "--cron=0 0 3 * * *", "--experiment=fedpipe"]
     assert {k: v for k, v in register.items() if k not in ("name", "args")} == {
         k: v for k, v in schedule.items() if k not in ("name", "args")
     }
@@ -73,13 +75,37 @@ def test_run_config_is_a_valid_fedpipe_config(build_kustomization, tmp_path):
 def test_registration_job_passes_the_deployment_to_the_pipeline(build_kustomization):
     docs = build_kustomization(MANIFESTS)
     (container,) = only(docs, "Job")["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["FEDPIPE_IMAGE"] == container["image"], "FEDPIPE_IMAGE and kustomization.yaml's images disagree"
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    given = dict(arg.split("=", 1) for arg in container["args"] if arg.startswith("--") and not arg.startswith("--resource="))
+    image = f"{given['--image-repository']}:{given['--image-tag']}"
+    assert image == container["image"], "--image-repository/--image-tag and kustomization.yaml's images disagree"
+    assert given["--training-image-tag"] == given["--image-tag"] + "-cuda"
+    assert given["--accelerator-count"] == "1" and given["--accelerator-type"] == "nvidia.com/gpu"  # GPU by default
+    # The namespace is the Job's own (an overlay's `namespace:` carries over); Kubernetes expands $(KFP_NAMESPACE).
+    assert given["--namespace"] == "$(KFP_NAMESPACE)"
+    assert env["KFP_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     service = only(docs, "Service", "pushgateway")
-    assert env["FEDPIPE_PUSHGATEWAY"] == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert given["--pushgateway"] == f"http://{service['metadata']['name']}.$(KFP_NAMESPACE):{service['spec']['ports'][0]['port']}"
+    assert not {"FEDPIPE_IMAGE", "FEDPIPE_TRAINING_IMAGE", "FEDPIPE_PUSHGATEWAY"} & set(env), "replaced by flags"
     assert env["FEDPIPE_S3_SECRET"] == "mlpipeline-minio-artifact"
     assert env["FEDPIPE_S3_SECRET_KEYS"] == "accesskey,secretkey"
     assert not [name for name in env if name.startswith("AWS_")], "the Job needs no storage credentials"
+
+
+def test_manifests_compile_the_pipeline_as_the_chart_does(build_kustomization, render_chart):
+    """The plain manifests and the chart's defaults give the pipeline the same images, GPU, resources."""
+    (manifests,) = only(build_kustomization(MANIFESTS), "Job")["spec"]["template"]["spec"]["containers"]
+    (chart,) = only(render_chart(), "Job", "-register")["spec"]["template"]["spec"]["containers"]
+
+    def deploy(args: list[str]) -> list[str]:
+        return [a for a in args if a.startswith(("--image", "--training-image", "--accelerator", "--resource="))]
+
+    assert deploy(manifests["args"]) and deploy(manifests["args"]) == deploy(chart["args"])
+
+
+def test_service_monitor_carries_kube_prometheus_stack_s_label(build_kustomization, kustomize_overlay):
+    monitor = only(build_kustomization(kustomize_overlay), "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
 def test_storage_secret_template_is_valid_and_only_placeholders(validate_k8s, build_kustomization):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from deploytools import ALL_ON, MANIFESTS, containers, pod_specs, sample_pytorchjob
 
-RENDERS = ["chart-default", "chart-all-on", "chart-no-schedule-no-monitoring", "kustomize-base", "kustomize-overlay",
+RENDERS = ["chart-default", "chart-all-on", "chart-no-schedule-no-monitoring", "chart-operator-cpu-external-pushgateway",
+           "kustomize-base", "kustomize-overlay",
            "pytorchjob-cpu", "pytorchjob-gpu"]
 
 
@@ -16,6 +17,12 @@ def workloads(request, render_chart, build_kustomization, kustomize_overlay) -> 
         "chart-all-on": lambda: render_chart(*ALL_ON),
         "chart-no-schedule-no-monitoring": lambda: render_chart(
             "--set", "pushgateway.enabled=false", "--set", "prometheusScrapeConfig.enabled=false"
+        ),
+        # A cluster with the Prometheus Operator, CPU-only training and someone else's Pushgateway.
+        "chart-operator-cpu-external-pushgateway": lambda: render_chart(
+            "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--set", "training.acceleratorCount=0",
+            "--set", "pushgateway.enabled=false", "--set", "prometheusScrapeConfig.enabled=false",
+            "--set", "pushgateway.url=http://prometheus-pushgateway.monitoring:9091", "--set", "networkPolicy.enabled=true",
         ),
         "kustomize-base": lambda: build_kustomization(MANIFESTS),
         "kustomize-overlay": lambda: build_kustomization(kustomize_overlay),

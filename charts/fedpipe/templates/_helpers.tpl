@@ -41,21 +41,29 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 {{- end }}
 
-{{/* The fedpipe image: repository:tag[-cuda], or repository@digest when a digest is given. */}}
+{{/* Tag of the Job's image and of the pipeline's non-training tasks: image.tag, or the appVersion. */}}
+{{- define "fedpipe.imageTag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{/* Tag of the training tasks' image: image.trainingTag, or `<tag>-cuda` (the CUDA build runs on CPU nodes too). */}}
+{{- define "fedpipe.trainingImageTag" -}}
+{{- default (printf "%s-cuda" (include "fedpipe.imageTag" .)) .Values.image.trainingTag }}
+{{- end }}
+
+{{/* The registration Job's image: repository:tag, or repository@digest when a digest is given. */}}
 {{- define "fedpipe.image" -}}
 {{- $image := .Values.image }}
 {{- if $image.digest }}
 {{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
-{{- include "fedpipe.taskImage" (dict "ctx" . "flavor" $image.flavor) }}
+{{- printf "%s:%s" $image.repository (include "fedpipe.imageTag" .) }}
 {{- end }}
 {{- end }}
 
-{{/* Image of the pipeline's tasks by tag and flavor: (dict "ctx" $ "flavor" "cpu"|"cuda"). */}}
-{{- define "fedpipe.taskImage" -}}
-{{- $image := .ctx.Values.image }}
-{{- $tag := default .ctx.Chart.AppVersion $image.tag }}
-{{- printf "%s:%s%s" $image.repository $tag (ternary "-cuda" "" (eq .flavor "cuda")) }}
+{{/* KFP namespace the pipeline and its runs belong to: kubeflow.namespace, or the release namespace. */}}
+{{- define "fedpipe.kfpNamespace" -}}
+{{- default .Release.Namespace .Values.kubeflow.namespace }}
 {{- end }}
 
 {{/* ServiceAccount the registration Job runs as. */}}
@@ -79,6 +87,64 @@ app.kubernetes.io/part-of: fedpipe
 {{/* In-cluster URL of the chart's Pushgateway. */}}
 {{- define "fedpipe.pushgatewayUrl" -}}
 {{- printf "http://%s-pushgateway.%s:%d" (include "fedpipe.fullname" .) .Release.Namespace (int .Values.pushgateway.port) }}
+{{- end }}
+
+{{/* The Pushgateway runs push to by default (run parameter telemetry_pushgateway): the chart's own, else
+     pushgateway.url, else "" (no metrics unless a run sets the parameter). */}}
+{{- define "fedpipe.pushgatewayTarget" -}}
+{{- if .Values.pushgateway.enabled }}
+{{- include "fedpipe.pushgatewayUrl" . }}
+{{- else }}
+{{- .Values.pushgateway.url }}
+{{- end }}
+{{- end }}
+
+{{/* Port of pushgateway.url: the one it names, else 443 for https and 80 for http. */}}
+{{- define "fedpipe.externalPushgatewayPort" -}}
+{{- $url := urlParse .Values.pushgateway.url }}
+{{- $hostPort := splitList ":" $url.host }}
+{{- if gt (len $hostPort) 1 }}
+{{- last $hostPort }}
+{{- else }}
+{{- ternary "443" "80" (eq $url.scheme "https") }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the ServiceMonitor is rendered: enabled true, or auto on a cluster serving its API (and
+     a Pushgateway to scrape); "" otherwise. */}}
+{{- define "fedpipe.serviceMonitorEnabled" -}}
+{{- $enabled := toString .Values.serviceMonitor.enabled }}
+{{- if eq $enabled "true" }}
+{{- "true" }}
+{{- else if and (eq $enabled "auto") .Values.pushgateway.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor") }}
+{{- "true" }}
+{{- end }}
+{{- end }}
+
+{{/* The flags of `fedpipe register` and `fedpipe schedule` that say how the pipeline is compiled and where
+     it goes (after --host, --method, --name), one per line as a YAML list. */}}
+{{- define "fedpipe.deployArgs" -}}
+{{- $v := .Values }}
+{{- $args := list
+      (printf "--namespace=%s" (include "fedpipe.kfpNamespace" .))
+      (printf "--image-repository=%s" $v.image.repository)
+      (printf "--image-tag=%s" (include "fedpipe.imageTag" .))
+      (printf "--training-image-tag=%s" (include "fedpipe.trainingImageTag" .))
+      (printf "--accelerator-count=%d" (int $v.training.acceleratorCount))
+      (printf "--accelerator-type=%s" $v.training.acceleratorType) }}
+{{- /* --resource=cpu_request=... of the training tasks, then --resource=step_cpu_request=... of the others. */}}
+{{- range $task := list (list "" $v.training.resources) (list "step_" $v.steps.resources) }}
+{{- range $resource := list "cpu" "memory" }}
+{{- range $bound := list "request" "limit" }}
+{{- $value := index (index $task 1) (printf "%ss" $bound) $resource }}
+{{- $args = append $args (printf "--resource=%s%s_%s=%s" (index $task 0) $resource $bound (toString $value)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with include "fedpipe.pushgatewayTarget" . }}
+{{- $args = append $args (printf "--pushgateway=%s" .) }}
+{{- end }}
+{{- toYaml $args }}
 {{- end }}
 
 {{/* Pipeline name in the Kubeflow UI. */}}
@@ -110,22 +176,14 @@ app.kubernetes.io/part-of: fedpipe
   env:
     - name: KF_PIPELINES_SA_TOKEN_PATH
       value: /var/run/secrets/kubeflow/pipelines/token
-    # What the compiled pipeline's tasks get: their image, the storage endpoint, the name and keys of
-    # the credentials Secret (never the credentials), and the Pushgateway.
-    - name: FEDPIPE_IMAGE
-      value: {{ include "fedpipe.taskImage" (dict "ctx" $ctx "flavor" $ctx.Values.image.flavor) | quote }}
-    - name: FEDPIPE_TRAINING_IMAGE
-      value: {{ include "fedpipe.taskImage" (dict "ctx" $ctx "flavor" $ctx.Values.image.trainingFlavor) | quote }}
+    # What the compiled pipeline's tasks get besides the flags: the storage endpoint and the name and keys
+    # of the credentials Secret (never the credentials).
     - name: FEDPIPE_S3_ENDPOINT
       value: {{ $ctx.Values.storage.endpoint | quote }}
     - name: FEDPIPE_S3_SECRET
       value: {{ include "fedpipe.storageSecretName" $ctx | quote }}
     - name: FEDPIPE_S3_SECRET_KEYS
       value: {{ printf "%s,%s" $ctx.Values.storage.accessKeyKey $ctx.Values.storage.secretKeyKey | quote }}
-    {{- if $ctx.Values.pushgateway.enabled }}
-    - name: FEDPIPE_PUSHGATEWAY
-      value: {{ include "fedpipe.pushgatewayUrl" $ctx | quote }}
-    {{- end }}
     # The kfp client writes its context under ~/.config, and the root filesystem is read-only.
     - name: HOME
       value: /tmp
@@ -144,8 +202,8 @@ app.kubernetes.io/part-of: fedpipe
     {{- toYaml $ctx.Values.register.resources | nindent 4 }}
 {{- end }}
 
-{{/* Egress rules every training pod needs: name resolution, the artifact store (run state,
-     checkpoints, reports) and, when the chart runs one, the Pushgateway (per-round metrics). */}}
+{{/* Egress rules every task pod needs: name resolution, the artifact store (run state, checkpoints,
+     reports) and the Pushgateway (per-round metrics): the chart's own, or the one at pushgateway.url. */}}
 {{- define "fedpipe.storageEgress" -}}
 {{- $np := .Values.networkPolicy -}}
 # Name resolution.
@@ -181,6 +239,18 @@ app.kubernetes.io/part-of: fedpipe
   ports:
     - protocol: TCP
       port: {{ .Values.pushgateway.port }}
+{{- else if .Values.pushgateway.url }}
+# Per-round metrics, to the external Pushgateway.
+- to:
+    - namespaceSelector:
+        matchLabels:
+          kubernetes.io/metadata.name: {{ $np.pushgateway.namespace }}
+      podSelector:
+        matchLabels:
+          {{- toYaml $np.pushgateway.podLabels | nindent 10 }}
+  ports:
+    - protocol: TCP
+      port: {{ include "fedpipe.externalPushgatewayPort" . | int }}
 {{- end }}
 {{- end }}
 
