@@ -13,7 +13,6 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 
-
 def resolve_config(base_config: str, fields: dict, defaults: dict, overrides: list, method: str, job_id: str, config: Output[Artifact]):
     """Validate the run's config (base YAML, changed fields, KEY=VALUE overrides) before anything runs."""
     from fedpipe import tasks

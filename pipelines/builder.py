@@ -25,8 +25,8 @@ from pathlib import Path
 
 from kfp import compiler, dsl, kubernetes
 
-from fedpipe.algorithms import ALGORITHMS, phases_of
 from fedpipe import __version__
+from fedpipe.algorithms import ALGORITHMS, phases_of
 from fedpipe.components.steps import Components, build
 from fedpipe.config import RunConfig, load_config
 from fedpipe.errors import ConfigError
