@@ -1,14 +1,14 @@
 # The two commands of the README, plus their parts (services: Prometheus, Pushgateway, S3 test server, helm, kubectl).
 #   make run    set up .venv and run the embedded default (SuPerFed-MM on mnist5k, 20 clients)
-#   make test   set up .venv with the test tools and the test services, then run the tests
-.PHONY: run test setup setup-test services clean
+#   make test   set up .venv with the test tools, the test services and the container image, then run the tests
+.PHONY: run test setup setup-test services images clean
 
 PYTEST_ARGS ?=
 
 run: setup
 	.venv/bin/fedpipe run
 
-test: setup-test services
+test: setup-test services images
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 setup:
@@ -20,6 +20,10 @@ setup-test:
 services:
 	scripts/test-services.sh
 	scripts/get-helm.sh
+
+# The container image (podman/buildah), pushed to a registry on loopback and pulled back (scripts/build-images.sh).
+images:
+	scripts/build-images.sh
 
 clean:
 	rm -rf .venv runs .pytest_cache .hypothesis

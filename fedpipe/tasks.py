@@ -33,11 +33,19 @@ def _changed(value, default) -> bool:
     return value != default
 
 
+def _unset(tree: dict, dotted: str) -> bool:
+    """True when the base config leaves a field out (or null)."""
+    section, _, key = dotted.partition(".")
+    values = tree.get(section)
+    return not isinstance(values, dict) or values.get(key) is None
+
+
 def resolve_config(
     base_yaml: str, fields: dict, defaults: dict, overrides: list[str], job_id: str, out_path: str, method: str | None = None
 ) -> RunConfig:
     """The run's config: the base YAML, then every pipeline field the user changed from its compiled
-    default, then `overrides` (KEY=VALUE; METHOD:KEY=VALUE applies only to that method's run).
+    default or the base leaves unset (so a base_config pasted in the UI keeps the deployment's store and
+    Pushgateway), then `overrides` (KEY=VALUE; METHOD:KEY=VALUE applies only to that method's run).
     `method` replaces the base's method section (the benchmark pipeline runs several methods).
     Without an explicit run.id each pipeline job gets its own run (config-derived id + job id), so a
     scheduled rerun trains anew while a retried task resumes from its checkpoints."""
@@ -48,7 +56,7 @@ def resolve_config(
     if method:
         tree["method"] = {"name": method}
     for key, value in fields.items():
-        if _changed(value, defaults.get(key)):
+        if _changed(value, defaults.get(key)) or (_unset(tree, key) and value not in (None, "")):
             apply_override(tree, f"{key}={value}")
     name = tree.get("method", {}).get("name")
     for assignment in overrides:

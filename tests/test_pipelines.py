@@ -265,3 +265,20 @@ def test_bad_deploy_flags_are_plain_errors(tmp_path, flags, message):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_base_config_pasted_in_the_ui_keeps_the_deployments_store_and_pushgateway(tmp_path):
+    """resolve_config: a field the base config leaves out (or null) takes the pipeline parameter's value,
+    a field it sets is kept unless the run changed the parameter."""
+    from fedpipe.tasks import resolve_config
+
+    defaults = {"run.store": "s3://mlpipeline/fedpipe", "telemetry.pushgateway": "http://pgw:9091", "train.rounds": 30}
+    base = "method: {name: fedavg}\ntelemetry: {pushgateway: null}\n"
+    cfg = resolve_config(base, dict(defaults), defaults, [], "job1", str(tmp_path / "a.yaml"))
+    assert (cfg.run.store, cfg.telemetry.pushgateway, cfg.train.rounds) == ("s3://mlpipeline/fedpipe", "http://pgw:9091", 30)
+    own = "run: {store: s3://mine/runs}\ntelemetry: {pushgateway: http://other:9091}\ntrain: {rounds: 3}\n"
+    cfg = resolve_config(own, dict(defaults), defaults, [], "job1", str(tmp_path / "b.yaml"))
+    assert (cfg.run.store, cfg.telemetry.pushgateway, cfg.train.rounds) == ("s3://mine/runs", "http://other:9091", 3)
+    changed = {**defaults, "telemetry.pushgateway": "http://ui:9091"}
+    cfg = resolve_config(own, changed, defaults, [], "job1", str(tmp_path / "c.yaml"))
+    assert cfg.telemetry.pushgateway == "http://ui:9091"
