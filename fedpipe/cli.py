@@ -394,12 +394,21 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
 @app.command()
 @_guarded
 def methods():
-    """List the methods, their phases and the papers their update rules come from."""
+    """List the methods, their phases, the papers their update rules come from, and every default that
+    departs from its paper or fills a gap the paper leaves (a method's `departures`; docs/faithfulness.md
+    has the equations and the reasons)."""
     from fedpipe.algorithms import ALGORITHMS, phases_of
 
     for name, cls in ALGORITHMS.items():
         phases = ", ".join(p.name for p in phases_of(cls.Params(), 10))
         typer.echo(f"{name:<12} phases: {phases:<32} {cls.paper}")
+        departures = getattr(cls, "departures", None)
+        if departures is None:
+            typer.echo("    defaults vs the paper: not listed here yet, see docs/faithfulness.md")
+        elif not departures:
+            typer.echo("    defaults vs the paper: the paper's")
+        for line in departures or ():
+            typer.echo(f"    default departs from the paper: {line}")
 
 
 @app.command()

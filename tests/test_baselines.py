@@ -17,6 +17,7 @@ from fedpipe.algorithms.fedfomo import IDS, WEIGHTS, FedFomo, FedFomoParams
 from fedpipe.algorithms.fedper import FedPer, FedPerParams
 from fedpipe.algorithms.ifca import IFCA, IFCAParams
 from fedpipe.algorithms.pfedme import PFedMe, PFedMeParams
+from fedpipe.config import load_config
 from fedpipe.errors import ConfigError
 from fedpipe.steps import Run
 
@@ -125,6 +126,59 @@ def test_fedamp_attention_weights_and_cloud_model_equal_hand_computation():
     assert algo.cloud_model(ServerState({"p": torch.tensor([9.0, 9.0])}), 0)["p"].tolist() == [9.0, 9.0]
 
 
+def test_fedamp_capped_step_keeps_the_weights_convex_with_the_papers_attention_profile():
+    # alpha_k = sigma = 1 and two close models: Eq. 7 as written gives xi_00 = 1 - e^-1 - e^-0.25 < 0
+    algo = FedAMP(FedAMPParams(alpha_k=1.0, sigma=1.0, min_self_weight=0.25), Head(), seed=0)
+    server = ServerState({"p": torch.zeros(2)}, {0: {"p": torch.tensor([0.0, 0.0])}, 1: {"p": torch.tensor([1.0, 0.0])},
+                                                 2: {"p": torch.tensor([0.0, 0.5])}})
+    assert 1 - math.exp(-1) - math.exp(-0.25) < 0
+    xi, step = algo.weights(server, 0)
+    # alpha_{k,0} = (1 - m) / sum_j A'(d_0j): xi_0j = (1 - m) softmax_j(-d_0j / sigma), xi_00 = m
+    total = math.exp(-1) + math.exp(-0.25)
+    assert step == pytest.approx(0.75 / total)
+    assert xi == pytest.approx({1: 0.75 * math.exp(-1) / total, 2: 0.75 * math.exp(-0.25) / total, 0: 0.25}, abs=1e-12)
+    u0 = algo.cloud_model(server, 0)["p"]
+    assert u0.tolist() == pytest.approx([xi[1] * 1.0, xi[2] * 0.5], abs=1e-7)
+    # a tiny sigma (A'(0) = 1e30, A'(d > 0) = 0) still gives finite convex weights: a copy of w_0 takes all of 1 - m
+    server.per_client[3] = {"p": torch.tensor([0.0, 0.0])}
+    sharp = FedAMP(FedAMPParams(sigma=1e-30, min_self_weight=0.25), Head(), seed=0).xi(server, 0)
+    assert sharp == pytest.approx({1: 0.0, 2: 0.0, 3: 0.75, 0: 0.25}, abs=1e-12)
+
+
+def test_fedamp_fixed_step_rejects_weights_that_are_not_convex_naming_the_fields():
+    server = ServerState({"p": torch.zeros(2)}, {0: {"p": torch.tensor([0.0, 0.0])}, 1: {"p": torch.tensor([1.0, 0.0])},
+                                                 2: {"p": torch.tensor([0.0, 0.5])}})
+    with pytest.raises(ConfigError, match=r"method\.alpha_k=1\.0 and method\.sigma=1\.0.*method\.min_self_weight=0\.0.*method\.step=capped"):
+        FedAMP(FedAMPParams(step="fixed", min_self_weight=0.0), Head(), seed=0).xi(server, 0)
+    # Eq. 7 as written where it is convex: alpha_k small enough
+    fixed = FedAMP(FedAMPParams(step="fixed", alpha_k=0.4, min_self_weight=0.0), Head(), seed=0)
+    assert fixed.xi(server, 0)[0] == pytest.approx(1 - 0.4 * (math.exp(-1) + math.exp(-0.25)))
+    with pytest.raises(ConfigError, match="min_self_weight"):
+        load_config(None, ["method.name=fedamp", "method.min_self_weight=1"])
+
+
+def test_fedamp_cloud_weights_of_real_client_models_are_convex(tmp_path):
+    """On trained client models (digits, 4 clients) Eq. 7 with alpha_k = sigma = 1 gives xi_ii < 0 (about -1.2
+    here; -4.8 to -1.5 with 20 clients): the default capped step must keep every xi_ij >= 0 summing to 1."""
+    run = small_run(tmp_path, *QUICK, "method.name=fedamp", "train.rounds=1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Run, "_put_plot", lambda self, name, draw: None)
+        state = train_all(run)
+    algo, _ = run.build_algorithm()
+    assert sorted(state.server.per_client) == [0, 1, 2, 3]
+    for cid, w_i in state.server.per_client.items():
+        # the paper's raw weights on these models: alpha_k * sum_j A'(d_ij) > 1, so 1 - sum < 0
+        raw = sum(math.exp(-float(sum(((w_i[n].double() - w_j[n].double()) ** 2).sum() for n in w_i)))
+                  for j, w_j in state.server.per_client.items() if j != cid)
+        assert raw > 1, raw
+        xi = algo.xi(state.server, cid)
+        assert sorted(xi) == [0, 1, 2, 3]
+        assert all(v >= 0 for v in xi.values()), xi
+        assert sum(xi.values()) == pytest.approx(1.0, abs=1e-12) and xi[cid] >= 0.5 - 1e-12
+    details = algo.round_details(state.server, state.clients)  # what the round's JSONL line records
+    assert all(v >= 0.5 - 1e-6 for v in details["self_weight"].values()) and all(a < 1 for a in details["alpha_k"].values())
+
+
 def test_fedamp_client_loss_is_the_proximal_step_toward_the_cloud_model():
     lam, alpha = 3.0, 0.5
     algo = FedAMP(FedAMPParams(lam=lam, alpha_k=alpha), Head().double(), seed=0)
@@ -219,6 +273,16 @@ def test_ifca_averages_each_cluster_over_the_clients_that_picked_it(weighting):
     assert new["cluster2/w"].item() == 20.0  # nobody picked it: unchanged
 
 
+def test_ifca_averages_uniformly_by_default_as_algorithm_2():
+    algo = IFCA(IFCAParams(clusters=2), Head(), seed=0)
+    assert algo.params.weighting == "uniform"
+    models = algo.clusters(ServerState({"head.weight": torch.zeros(2, 1)}))
+    ups = [Upload(0, 1, {"cluster0/head.weight": torch.ones(2, 1)}), Upload(1, 3, {"cluster0/head.weight": torch.full((2, 1), 5.0)})]
+    new = algo.aggregate(None, ServerState(models), ups).global_params
+    assert new["cluster0/head.weight"].flatten().tolist() == [3.0, 3.0]  # (1 + 5) / 2, not (1 + 3 * 5) / 4
+    assert torch.equal(new["cluster1/head.weight"], models["cluster1/head.weight"])  # nobody picked cluster 1
+
+
 def test_ifca_clusters_start_from_the_initial_model_and_seeded_fresh_ones():
     model = BodyHead()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -271,7 +335,7 @@ def test_fedper_without_personal_layers_is_fedavg(tmp_path, fedavg):
 
 
 def test_ifca_with_one_cluster_is_fedavg(tmp_path, fedavg):
-    ifca = final_state(tmp_path, "ifca", "method.name=ifca", "method.clusters=1").server.global_params
+    ifca = final_state(tmp_path, "ifca", "method.name=ifca", "method.clusters=1", "method.weighting=samples").server.global_params
     assert_same_params({n.removeprefix("cluster0/"): t for n, t in ifca.items()}, fedavg)
 
 

@@ -241,3 +241,13 @@ def test_the_fedmoe_pipeline_runs_locally(tmp_path):
     for phase in ("federation", "specialists", "gate"):
         assert (tmp_path / "pipe" / "phases" / phase / "final.pt").exists(), phase
     assert (tmp_path / "pipe" / "report" / "summary.json").exists() and artifacts.exists()
+
+
+def test_local_trainings_default_to_the_papers_500_epochs_with_early_stopping():
+    """The paper trains specialist, Local model and mixture 'using early stopping for 500 epochs' (Sec. 4)."""
+    params = FedMoEParams()
+    assert params.max_epochs == 500
+    algo = FedMoE(params, build_model("twonn", (1, 28, 28), 10), seed=0)
+    for phase in algo.phases(params, 2)[1:]:
+        ctx = ClientContext(0, phase.first_round, phase, None)
+        assert [(s.epochs, s.early_stopping.patience) for s in algo.stages(ctx, 1)] == [(500, 3)] * (2 if phase.name == "specialists" else 1)

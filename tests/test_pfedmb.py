@@ -245,3 +245,33 @@ def test_examples_are_the_papers_settings_and_the_pairs_split_makes_five_pairs()
     assert all(len(c) == 2 for c in classes)
     assert [classes[2 * j] for j in range(5)] == [classes[2 * j + 1] for j in range(5)]  # clients 2j, 2j+1 pair up
     assert len(set(classes)) == 5 and len(frozenset().union(*classes)) == 10  # five disjoint pairs
+
+
+@pytest.mark.parametrize("simplex", ["projection", "softmax"])
+def test_alpha_stage_is_eq3_plain_gradient_step_by_default(simplex):
+    """Eq. 3: alpha <- alpha - eta_alpha grad f_i((W, alpha)), W fixed, then the projection: no momentum and no
+    weight decay, even when the run's optimiser has both (they drive the weight stage only); the earlier
+    behaviour, the run's optimiser on alpha too, is `alpha_step: optimizer`."""
+    model, base = lenet()
+    algo = PFedMB(PFedMBParams(num_branches=3, simplex=simplex, lr_alpha=0.5), model, seed=0)
+    assert algo.params.alpha_step == "plain"
+    ctx = client_ctx(algo)
+    slots = algo.client_params(ctx, base, None)
+    fit_alpha = algo.stages(ctx, local_epochs=2)[0]  # 2 epochs of one full batch: two steps
+    got = algo.alpha_of(train_client(algo, ctx, slots, [fit_alpha], batch_size=32, lr=0.01, optimizer="sgd", momentum=0.9,
+                                     weight_decay=0.1, generator=torch.Generator().manual_seed(1))[0]["alpha"])
+    key = next(iter(slots["alpha"]))
+    a = slots["alpha"][key].clone()
+    x, y = ctx.data.train.x, ctx.data.train.y
+    for _ in range(2):  # by hand
+        a.requires_grad_(True)
+        (g,) = torch.autograd.grad(algo.loss({"branches": slots["branches"], "alpha": {key: a}}, x, y, None), a)
+        a = a.detach() - 0.5 * g
+        if simplex == "projection":
+            a = project_onto_simplex(a)
+    assert torch.allclose(got, algo.alpha_of({key: a}), atol=1e-6)
+    with_optimizer = PFedMB(PFedMBParams(num_branches=3, simplex=simplex, lr_alpha=0.5, alpha_step="optimizer"), model, seed=0)
+    other = with_optimizer.alpha_of(train_client(with_optimizer, ctx, slots, [with_optimizer.stages(ctx, 2)[0]], batch_size=32, lr=0.01,
+                                                 optimizer="sgd", momentum=0.9, weight_decay=0.1,
+                                                 generator=torch.Generator().manual_seed(1))[0]["alpha"])
+    assert not torch.allclose(other, got, atol=1e-4)  # momentum and weight decay change the step

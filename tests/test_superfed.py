@@ -1,5 +1,6 @@
-"""SuPerFed's pieces: phases, mixing, the lam draws, the local initialisation."""
+"""SuPerFed's pieces: phases, mixing, the lam draws, the local initialisation; on the BiLSTM, end to end."""
 
+import pytest
 import torch
 
 from fedpipe.algorithms.base import ClientContext, ServerState
@@ -7,10 +8,10 @@ from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedLMParams, SuPerFedMM
 from fedpipe.models import SuPerFedCNN
 
 
-def make(cls=SuPerFedMM, **kw):
+def make(cls=SuPerFedMM, bias=False, **kw):
     params = (SuPerFedMMParams if cls is SuPerFedMM else SuPerFedLMParams)(**kw)
     torch.manual_seed(0)
-    model = SuPerFedCNN((1, 28, 28), 10)
+    model = SuPerFedCNN((1, 28, 28), 10, bias=bias)
     return cls(params, model, seed=3), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -22,10 +23,18 @@ def test_phases_split_at_floor_L_times_R():
     assert [len(p.rounds) for p in SuPerFedMM.phases(SuPerFedMMParams(start_fraction=0.0), 10)] == [0, 10]
 
 
-def test_only_weights_are_mixed_by_default_and_biases_when_asked():
+def test_the_superfed_cnn_is_bias_free_and_every_tensor_of_it_is_mixed():
     algo, g = make()
+    assert not any("bias" in n for n in g)  # as every model of the authors' released code
+    assert algo.mixed == list(g) and len(algo.mixed) == 5 and algo.num_layers == 5
+
+
+def test_only_weights_are_mixed_by_default_and_biases_when_asked():
+    algo, g = make(bias=True)  # the Table 4 CNN with biases (the authors' first implementation)
     assert all(n.endswith("weight") for n in algo.mixed) and len(algo.mixed) == 5
-    algo_b, _ = make(mix_bias=True)
+    local = algo.init_local(g, 1)
+    assert all(torch.equal(algo.mix(g, local, 0.7)[n], g[n]) for n in g if n.endswith("bias"))  # shared
+    algo_b, _ = make(bias=True, mix_bias=True)
     assert len(algo_b.mixed) == 10 and algo_b.num_layers == 5
 
 
@@ -67,3 +76,40 @@ def test_local_model_is_seeded_by_client_and_differs_from_global():
     a, b, a2 = algo.init_local(g, 1), algo.init_local(g, 2), algo.init_local(g, 1)
     n = algo.mixed[0]
     assert torch.equal(a[n], a2[n]) and not torch.equal(a[n], b[n]) and not torch.equal(a[n], g[n])
+
+
+def _agnews_run(tmp_path, method):
+    from runs import small_run
+    from test_agnews import write_agnews
+
+    write_agnews(tmp_path / "data" / "ag_news_csv", per_class_train=8, per_class_test=2)
+    return small_run(
+        tmp_path / "runs", "data.dataset=agnews", f"data.root={tmp_path / 'data'}", "model.name=bilstm",
+        f"method.name={method}", "partition.scheme=iid", "partition.num_clients=3", "train.rounds=2",
+        "method.start_fraction=0.5", "train.batch_size=8", "train.lr=0.05", "run.threads=1",
+    )
+
+
+@pytest.mark.parametrize("method", ["superfed_mm", "superfed_lm"])
+def test_superfed_personalizes_the_lstm(tmp_path, method):
+    """SuPerFed on the BiLSTM (embedding, LSTM, linear head): after Phase II every client's local model
+    holds its own LSTM weights (all four: input-hidden and hidden-hidden, both directions), different
+    from the other clients' and from the global ones, and so does its embedding."""
+    from runs import train_all
+
+    run = _agnews_run(tmp_path, method)
+    state = train_all(run)
+    algorithm, _ = run.build_algorithm()
+    g = state.server.global_params
+    lstm = ["lstm.weight_ih_l0", "lstm.weight_hh_l0", "lstm.weight_ih_l0_reverse", "lstm.weight_hh_l0_reverse"]
+    assert len(state.clients) == 3
+    for cid, local in state.clients.items():
+        for n in [*lstm, "embedding.weight", "head.weight"]:
+            assert n in local, f"client {cid} has no local {n}"
+            assert local[n].shape == g[n].shape and not torch.allclose(local[n], g[n]), (cid, n)
+        assert not any("bias" in n for n in local)  # mix_bias false: the LSTM's and head's biases are shared
+        start = algorithm.init_local(g, cid)  # Phase II trained the local LSTM, not only initialised it
+        assert all(not torch.allclose(local[n], start[n]) for n in lstm), cid
+    a, b, c = state.clients.values()
+    for n in lstm:
+        assert not torch.allclose(a[n], b[n]) and not torch.allclose(b[n], c[n]) and not torch.allclose(a[n], c[n]), n

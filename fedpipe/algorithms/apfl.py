@@ -62,6 +62,14 @@ class APFL(Algorithm):
     name = "apfl"
     Params = APFLParams
     paper = "Deng et al. 2020, Algorithm 1 and Eq. 10 (adaptive alpha)"
+    departures = (
+        "alpha=0.5: where every client's adaptive alpha starts is fedpipe's choice (the paper's fixed-alpha runs use "
+        "0.25, 0.5 and 0.75)",
+        "eta = train.lr 0.01 decayed by 0.999 per round (run-wide), also alpha's step (alpha_lr=None, the paper's one "
+        "eta); the value is not the paper's",
+        "the server averages the w_i by sample count (FedAvg's rule); Algorithm 1 takes the plain mean over the sampled clients",
+        "a client that never trained is evaluated on the global model (the paper does not say)",
+    )
     params: APFLParams
 
     def __init__(self, params, model, seed):

@@ -128,6 +128,7 @@ class Algorithm(ABC):
     Params: ClassVar[type[MethodParams]]
     paper: ClassVar[str]  # where its update rules come from
     supports_finetune: ClassVar[bool] = True  # False where personalization is not one model per client
+    departures: ClassVar[tuple[str, ...] | None] = None  # defaults departing from the paper or filling its gaps; None: not listed
 
     def __init__(self, params: MethodParams, model: nn.Module, seed: int):
         self.params = params

@@ -54,6 +54,14 @@ class Ditto(Algorithm):
     name = "ditto"
     Params = DittoParams
     paper = "Li et al. 2021, Algorithm 1 (Eq. 2)"
+    departures = (
+        "lam=0.1: fedpipe's value; the paper tunes lambda per dataset",
+        "personal_epochs=None: the personal update runs train.local_epochs epochs, as the global one, at the same rate "
+        "(Algorithm 1's s local iterations; the paper does not fix s)",
+        "train.momentum=0.9, train.weight_decay=1e-4 apply to both updates: Algorithm 1 writes plain SGD steps; "
+        "train.momentum=0 train.weight_decay=0 is the paper's step",
+        "train.lr=0.01 decayed by 0.999 per round, B = 10, E = 5: the run-wide defaults, not the paper's settings",
+    )
     params: DittoParams
 
     @classmethod

@@ -30,6 +30,19 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Params = FedAvgParams
     paper = "McMahan et al. 2017, Algorithm 1"
+    departures = (
+        "train.momentum=0.9, train.weight_decay=1e-4 (SuPerFed's settings for every method): Algorithm 1 is plain SGD; "
+        "train.momentum=0 train.weight_decay=0 is the paper's step",
+        "train.lr=0.01 decayed by train.lr_decay=0.999 per round (SuPerFed's official scripts): Algorithm 1 keeps one "
+        "eta, tuned per experiment",
+        "train.client_fraction=1.0: every client trains every round (the paper's experiments mostly sample C = 0.1)",
+    )
+
+    def __init_subclass__(cls, **kwargs):
+        # these lines name FedAvg's paper: a method built on FedAvg (FedProx, the -FT variants) lists its own
+        super().__init_subclass__(**kwargs)
+        if "departures" not in cls.__dict__:
+            cls.departures = None
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:

@@ -81,6 +81,13 @@ class FedFomo(Algorithm):
     name = "fedfomo"
     Params = FedFomoParams
     paper = "Zhang et al. 2021, Eq. 5-6 and Algorithm 1"
+    departures = (
+        "models_per_round=5 (M): PFLlib's default; the official code downloads 8",
+        "epsilon=0.3 decaying by epsilon_decay=0.05 per participation of the client: the official code's values, "
+        "which it decays per round",
+        "train.* are the run-wide defaults (SGD lr 0.01, momentum 0.9, weight decay 1e-4, B = 10, E = 5), not the "
+        "paper's settings",
+    )
     params: FedFomoParams
 
     @classmethod

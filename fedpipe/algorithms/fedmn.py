@@ -168,6 +168,18 @@ class FedMN(Algorithm):
     name = "fedmn"
     Params = FedMNParams
     paper = "Wang et al. 2022, Eq. 1-3"
+    departures = (
+        "straight_through=true: hard 0/1 paths forward, the Gumbel-sigmoid's gradient backward (the official run uses "
+        "soft samples; the surviving pages do not say)",
+        "every unit starts from its own random initialisation; the official run starts the encoders from a "
+        "FedAvg-pretrained model",
+        "tau_start=1.0 -> tau_end=0.1, exponential per round: fedpipe's schedule (the pages give none; the official "
+        "annealing never fires)",
+        "router_feature_dim=32, router_label_dim=16, router_lr_scale=1.0: fedpipe's values (the pages do not give them)",
+        "train.* (lr 0.01, weight decay 1e-4, B = 10, E = 5, run-wide) where the official run uses lr 0.02, weight "
+        "decay 5e-4, B = 128, E = 1 (momentum 0.9 in both)",
+        "a client that never trained is tested with every path switched on (the paper does not say)",
+    )
     params: FedMNParams
 
     def __init__(self, params: FedMNParams, model: nn.Module, seed: int):

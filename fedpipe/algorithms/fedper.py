@@ -52,6 +52,13 @@ class FedPer(Algorithm):
     name = "fedper"
     Params = FedPerParams
     paper = "Arivazhagan et al. 2019, Algorithms 1 and 2"
+    departures = (
+        "personal_layers=[head]: only the output layer is personal; the paper's experiments personalise the last one or "
+        "two fully connected layers (SuPerFed describes FedPer's personalization layer as the penultimate one)",
+        "a client's personalization layers start as the run's initial model's (the paper does not say)",
+        "train.* are the run-wide defaults (SGD lr 0.01, momentum 0.9, weight decay 1e-4, B = 10, E = 5), SuPerFed's "
+        "settings, not the paper's",
+    )
     params: FedPerParams
 
     def __init__(self, params, model, seed):

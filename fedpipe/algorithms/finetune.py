@@ -32,6 +32,14 @@ from fedpipe.algorithms.fedprox import FedProx, FedProxParams
 
 FINETUNED = "finetuned/"  # prefix of the fine-tuned tensors in a client's kept state
 
+# what FedAvg-FT / FedProx-FT add to their federated method's departures (`fedpipe methods`)
+FINETUNE_DEPARTURES = (
+    "finetune_epochs=5: pFedMB's fine-tuning for E = 5 local epochs; Wang et al. tune the epochs and SuPerFed's -LU "
+    "baselines say only 'small steps'",
+    "fine-tuning uses the run's optimiser at train.lr as decayed to the round after the last (finetune_lr_scale=1.0), "
+    "on the training split: the papers do not give its rate",
+)
+
 
 def finetune_phase(after_round: int) -> Phase:
     return Phase("finetune", after_round + 1, after_round + 1, sample_clients=False, communicates=False,
@@ -129,9 +137,11 @@ class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     Params = FedAvgFTParams
     paper = "McMahan et al. 2017"
+    departures = (*(FedAvg.departures or ()), *FINETUNE_DEPARTURES)
 
 
 class FedProxFT(FedProx):
     name = "fedprox_ft"
     Params = FedProxFTParams
     paper = "Li et al. 2020, Eq. 2"
+    departures = (*(FedProx.departures or ()), *FINETUNE_DEPARTURES)  # FedProx's own, once listed

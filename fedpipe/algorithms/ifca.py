@@ -11,8 +11,11 @@ The server holds k cluster models theta_1..theta_k. In every round (Algorithm 2)
 - the server replaces each cluster model by the average of the models uploaded for it;
   a cluster nobody picked keeps its model.
 
-The paper averages with equal weights 1/|S_j|; `weighting: samples` (the default, FedAvg's rule,
-the same when clients hold equally many samples) weights by training-set size.
+The server averages each cluster's uploads with equal weights 1/|S_j|, as Algorithm 2 does
+(`weighting: uniform`, the default since it is the paper's rule); `weighting: samples` weights
+them by training-set size instead (FedAvg's rule). The two agree when the clients of a cluster hold
+equally many samples, as in the paper's experiments; with `clusters: 1` and `weighting: samples`
+IFCA is FedAvg.
 
 Initialisation: IFCA needs k different starting points (the paper draws them at random). Cluster 0
 is the run's initial model; cluster j > 0 is a fresh default PyTorch initialisation of the same
@@ -63,9 +66,9 @@ class IFCAParams(MethodParams):
     name: Literal["ifca"] = "ifca"
     clusters: int = Field(2, ge=1)
     """k: number of cluster models (paper: the number of underlying client groups; PFLlib has no IFCA)."""
-    weighting: Literal["samples", "uniform"] = "samples"
-    """How the server averages the models uploaded for one cluster: 'samples' (by training-set size,
-    as FedAvg) or 'uniform' (Algorithm 2: the plain mean over the cluster's clients)."""
+    weighting: Literal["uniform", "samples"] = "uniform"
+    """How the server averages the models uploaded for one cluster: 'uniform' (the default: Algorithm 2,
+    the plain mean over the cluster's clients) or 'samples' (by training-set size, as FedAvg)."""
     reassign_at_end: bool = True
     """After the last round every client picks its cluster again with the final models (an
     `assignment` phase; each client downloads the k models once more). False: a client keeps the
@@ -76,6 +79,11 @@ class IFCA(Algorithm):
     name = "ifca"
     Params = IFCAParams
     paper = "Ghosh et al. 2020, Algorithm 2 (model averaging)"
+    departures = (
+        "cluster j > 0 starts from a seeded fresh initialisation, cluster 0 from the run's initial model "
+        "(the paper: random initialisations)",
+        "reassign_at_end=true: every client picks its cluster again with the final models before evaluation",
+    )
     params: IFCAParams
 
     def __init__(self, params, model, seed):

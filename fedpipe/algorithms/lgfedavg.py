@@ -59,6 +59,14 @@ class LGFedAvg(Algorithm):
     name = "lgfedavg"
     Params = LGFedAvgParams
     paper = "Liang et al. 2020, Algorithm 1 (local representations, global top layers)"
+    departures = (
+        "global_layers=[head]: only the output layer is global; the authors' scripts keep the last two layers global "
+        "(lenet5: global_layers=[body.2, head])",
+        "every layer starts from the run's initial model; the authors' scripts start from a FedAvg-trained model",
+        "the server averages the global layers by sample count (FedAvg's rule); the authors' code averages them uniformly",
+        "train.* are the run-wide defaults (SGD lr 0.01, momentum 0.9, weight decay 1e-4, B = 10, E = 5), SuPerFed's "
+        "settings, not the paper's",
+    )
     params: LGFedAvgParams
 
     def __init__(self, params, model, seed):

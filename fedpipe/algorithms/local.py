@@ -34,6 +34,13 @@ class Local(Algorithm):
     name = "local"
     Params = LocalParams
     paper = "no communication (baseline)"
+    departures = (
+        "a client trains only in the rounds it is sampled, E epochs each (the federated methods' compute); SuPerFed's "
+        "and pFedMB's Local baselines do not say for how long (pFedMB: until convergence)",
+        "every client starts from the run's one initial model (the papers do not say)",
+        "train.* are the run-wide defaults (SGD lr 0.01, momentum 0.9, weight decay 1e-4, B = 10); pFedMB trains every "
+        "method with B = 64",
+    )
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:

@@ -18,7 +18,13 @@ Where the paper is silent (each a named option or stated here):
 - alpha on the simplex: `simplex="projection"` (projected SGD: Euclidean projection after every
   step) or `"softmax"` (alpha = softmax(logits), the logits trained); both start equal (1/B).
 - eta_W is train.lr (decayed per round like every method's rate); eta_alpha is `lr_alpha`, an
-  absolute rate. Both stages use the run's optimiser (train.optimizer, momentum, weight decay).
+  absolute rate. The weight stage (Eq. 4) uses the run's optimiser (train.optimizer, momentum,
+  weight decay). The alpha stage is Eq. 3's plain gradient step by default (`alpha_step: plain`:
+  alpha <- alpha - eta_alpha grad, no momentum, no weight decay, then the projection), because
+  momentum and weight decay change what Eq. 3 computes (weight decay pulls alpha toward 0, and with
+  the projection toward uniform; momentum multiplies the step by up to 1 / (1 - momentum));
+  `alpha_step: optimizer` runs the alpha stage with the run's optimiser too (fedpipe's earlier
+  behaviour: lr_alpha 0.05 with momentum 0.9 steps like about 0.5 plain).
 - With B = 1 the simplex is a single point, so the alpha stage is skipped: pFedMB is then FedAvg
   (Eq. 5 with alpha = 1 is sample-weighted averaging) followed by fine-tuning.
 - A branch to which no participating client gave any weight (possible with the projection,
@@ -83,6 +89,10 @@ class PFedMBParams(MethodParams):
     independent draws of the layer's init, so the branches differ like independent inits but
     their uniform-alpha merge is the base model at its own scale; independent, W_1 = W and the
     others fresh draws, whose merge starts every layer ~1/sqrt(B) too small (see BranchLayout.branch)."""
+    alpha_step: Literal["plain", "optimizer"] = "plain"
+    """How the alpha stage steps: 'plain' (the default, Eq. 3): alpha <- alpha - lr_alpha * grad, no
+    momentum or weight decay (then the projection, or on the softmax logits); 'optimizer': the run's
+    optimiser (train.optimizer with its momentum and weight decay), as the weight stage."""
     lr_alpha: float = Field(0.05, gt=0)
     """eta_alpha: learning rate of the alpha stage (Eq. 3), absolute (no per-round decay). eta_W of the
     weight stage (Eq. 4) is train.lr."""
@@ -133,6 +143,11 @@ class PFedMB(Algorithm):
     name = "pfedmb"
     Params = PFedMBParams
     paper = "Mori et al. 2023, Eq. 1-6 and Algorithm 1"
+    departures = (
+        "branched_layers=all: every Conv2d and Linear layer is branched (the paper: 'each linear layer')",
+        "branch_init=centred: the B branches start as centred perturbations of the base model (the paper does not say)",
+        "lr_alpha=0.05 and train.lr: ours (the paper tunes eta_alpha and eta_W without giving them)",
+    )
     params: PFedMBParams
 
     def __init__(self, params: PFedMBParams, model, seed: int):
@@ -177,8 +192,20 @@ class PFedMB(Algorithm):
         if self.layout.num_branches == 1:  # the simplex is one point: nothing to fit
             return [fit_weights]
         project = self._project if self.params.simplex == "projection" else None
-        fit_alpha = Stage(("alpha",), local_epochs, self.loss, lr=self.params.lr_alpha, after_step=project)  # Eq. 3
+        plain = self.alpha_gradient_step if self.params.alpha_step == "plain" else None
+        fit_alpha = Stage(("alpha",), local_epochs, self.loss, lr=self.params.lr_alpha, after_step=project, update=plain)  # Eq. 3
         return [fit_alpha, fit_weights]
+
+    def alpha_gradient_step(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None, lr: float) -> torch.Tensor:
+        """Eq. 3: alpha <- alpha - eta_alpha * grad_alpha f_i((W, alpha)) on one batch, W fixed (the
+        stage's after_step then projects onto the simplex). Returns the batch loss before the step."""
+        alpha = list(slots["alpha"].values())
+        loss = self.loss(slots, x, y, noise)
+        grads = torch.autograd.grad(loss, alpha)
+        with torch.no_grad():
+            for a, g in zip(alpha, grads):
+                a.sub_(g, alpha=lr)
+        return loss.detach()
 
     @staticmethod
     def _project(slots: Slots) -> None:

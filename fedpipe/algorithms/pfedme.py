@@ -75,6 +75,15 @@ class PFedMe(Algorithm):
     name = "pfedme"
     Params = PFedMeParams
     paper = "Dinh et al. 2020, Algorithm 1"
+    departures = (
+        "personal_lr=0.01 (p): PFLlib's default; the paper tunes p per dataset",
+        "eta = train.lr 0.01 decayed by 0.999 per round (run-wide): the paper tunes eta per dataset",
+        "warm_start=true: each batch's K steps start from the previous batch's theta, as the official code (the paper "
+        "does not say)",
+        "a round is train.local_epochs = 5 epochs of batches of train.batch_size = 10; the paper counts R local "
+        "iterations (R = 20, |D| = 20 in its experiments)",
+        "a client that never trained is evaluated on the global model (the paper does not say)",
+    )
     params: PFedMeParams
 
     @classmethod

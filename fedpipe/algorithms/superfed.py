@@ -9,17 +9,37 @@ are restored in ../shared/reference/superfed.md from the official code):
 - Phase II, later rounds: lam ~ U(0, 1) per mini-batch, one for the whole model (Model Mixing, MM) or
   one per layer (Layer Mixing, LM); both models trained;
   loss = CE(w(lam)) + mu * prox + nu * cos^2(w_g, w_l).
-- prox = sum_l ||w_g,l - w_g,l^prev||_2 over the mixed layers; cos^2 is the squared cosine of the two
-  concatenated weight vectors. Only w_g is uploaded; the server averages it by sample count.
+- prox = sum ||w_g,t - w_g,t^prev||_2 over the mixed tensors t (one norm per tensor, as the official
+  code sums them); cos^2 is the squared cosine of the two concatenated vectors of mixed tensors. Only
+  w_g is uploaded; the server averages it by sample count.
+
+What is mixed (`fedpipe.algorithms.regularizers.mixable_layers`): every layer of the model, chosen by
+module type as the official code does (its `set_lambda` and Lines* layers): Conv*, Linear, LSTM/GRU/RNN
+(every weight_ih/weight_hh, both directions), Embedding, and the affine weight and bias of norm layers
+(`mix_norm`). Biases follow `mix_bias`. A layer is a module: Layer Mixing draws one lam per module (an
+LSTM's four tensors share one), Model Mixing one for all. A model with a trainable layer of any other
+type is refused, naming it, rather than leaving that layer silently unpersonalized.
+
+Defaults and why:
+- `mix_bias: false`. The authors' released code builds every model bias-free (its Builder's conv,
+  linear and LSTM default to bias=False and every model passes bias=False), so there the question
+  does not arise; their first implementation of the Table 4 CNN (commit ae1803b, Jan 2022) had
+  biases and mixed only the weights (LinesConv), the biases shared; and their FedProx's layer-wise
+  term skips biases. Here, where a model has biases (twonn, lenet5, bilstm), they stay shared:
+  federated, trained in both phases, outside the prox and cos^2 terms. True mixes them like weights.
+- `mix_norm: true`. The official LinesBN mixes a batch-norm layer's weight and bias with the layer's
+  lam (local copy initialised to ones and zeros), and the official scripts pass --bn_type LinesBN with
+  every model that has batch norm. False keeps norm layers shared. No bundled model has a norm layer.
+- The bundled SuPerFed CNN (model superfed_cnn) is bias-free, like every model of the released code.
 
 With mu = nu = 0 and no Phase II it is FedAvg; with nu = 0 and no Phase II it is FedProx with
-`proximal: layer_norms`.
+`proximal: layer_norms` (which covers the same tensors: `mixable_layers` with these defaults).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -35,7 +55,7 @@ from fedpipe.algorithms.base import (
     Stage,
     cross_entropy,
 )
-from fedpipe.algorithms.regularizers import proximal_layer_norms, squared_cosine, weight_names
+from fedpipe.algorithms.regularizers import layer_kind, mixable_layers, proximal_layer_norms, squared_cosine
 from fedpipe.engine.seeding import torch_generator
 
 
@@ -45,8 +65,15 @@ class _SuPerFedFields(MethodParams):
     start_fraction: float = Field(0.6, ge=0, le=1)
     """L: Phase II (personalization) starts after floor(L * train.rounds) rounds. 1 means no Phase II."""
     mix_bias: bool = False
-    """False (official code): only layers' weights have a local copy; biases are shared, federated and
-    trained by both phases. True: biases are mixed too (the paper's wording: the whole models mix)."""
+    """False: biases (of conv, linear and recurrent layers) have no local copy; they stay shared, federated
+    and trained in both phases, and outside the prox and cos^2 terms. The authors' released code has no
+    biases at all (every layer bias=False); their first Table 4 CNN (commit ae1803b) had biases and mixed
+    only the weights, as here; their FedProx term skips biases. True: biases are mixed too (zero-initialised
+    locally), so every tensor of those layers is personalized."""
+    mix_norm: bool = True
+    """True (official LinesBN): norm layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm) mix
+    their affine weight and bias with the layer's lam, local copy initialised to ones and zeros. False:
+    norm layers stay shared. No bundled model has a norm layer."""
     lam_grid_step: float = Field(0.1, gt=0, le=1)
     """Spacing of the lam grid swept at evaluation (0.0, 0.1, ..., 1.0 by default)."""
 
@@ -75,23 +102,50 @@ class SuPerFedLMParams(_SuPerFedFields):
     """Weight of the orthogonality term cos^2(w_g, w_l) in Phase II (official default 2 for LM)."""
 
 
+NOTES = (
+    "mixes every conv, linear, LSTM/GRU/RNN and embedding layer, chosen by module type (a layer of another "
+    "type is refused); mix_bias=false: biases shared (the released code has none; its first Table 4 CNN "
+    "shared them); mix_norm=true: norm layers' affine weight and bias mixed (official LinesBN); "
+    "superfed_cnn is bias-free like the released code's models"
+)
+
+
 class SuPerFedMM(Algorithm):
-    """SuPerFed with Model Mixing: one lam per mini-batch for every layer."""
+    """SuPerFed with Model Mixing: one lam per mini-batch for every layer.
+
+    Mixes every layer the model has, chosen by module type (conv, linear, LSTM/GRU/RNN, embedding, and
+    norm layers with mix_norm, their default True as the official LinesBN); biases stay shared by
+    default (mix_bias False: the authors' released models have no biases, their first Table 4 CNN shared
+    them). A model with a trainable layer of another type is refused, naming the layer. The bundled
+    SuPerFed CNN is bias-free, like every model of the released code. See the module docstring.
+    """
 
     name = "superfed_mm"
     Params = SuPerFedMMParams
     paper = "Hahn et al. 2022, Eq. 3 and Algorithm 1"
+    notes: ClassVar[str] = NOTES  # what it mixes and why its defaults are what they are
+    departures = (
+        "mix_bias=false: biases are shared, not mixed (the released code's models have no biases; its first Table 4 "
+        "CNN shared them); mix_norm=true: norm layers' affine weight and bias are mixed (official LinesBN); every "
+        "conv, linear, LSTM/GRU/RNN and embedding layer is mixed, chosen by module type",
+        "lam is chosen per client on its validation split (the official code picks it on test data: reported beside "
+        "it as the test-oracle lam)",
+        "the proximity term is sum_t ||w_g,t - w_g,t^prev||_2 (not squared) and the cos^2 term leaves out the "
+        "official code's +1e-6: both as reference/superfed.md restores Eq. 3 from the official code",
+        "mu=0.01, start_fraction (L) and nu: the official scripts' values for K = 50 clients (MM: L=0.6, nu=1; "
+        "LM: L=0.8, nu=2), not tuned per run",
+    )
     params: SuPerFedMMParams
     layerwise = False
 
     def __init__(self, params, model, seed):
         super().__init__(params, model, seed)
-        names = dict(model.named_parameters())
-        self.mixed = [n for n in names if self.params.mix_bias or n in weight_names(names)]
-        # Layer Mixing draws one lam per layer: a layer is the module that owns a mixed tensor.
-        layers = sorted({n.rsplit(".", 1)[0] for n in self.mixed})
-        self.layer_of = {n: layers.index(n.rsplit(".", 1)[0]) for n in self.mixed}
-        self.num_layers = len(layers)
+        # {module name: [its mixed parameters]}, by module type; raises ConfigError on a layer it cannot mix
+        self.layers = mixable_layers(model, bias=self.params.mix_bias, norm=self.params.mix_norm)
+        self.mixed = [n for names in self.layers.values() for n in names]
+        # Layer Mixing draws one lam per layer: a layer is a module, in the model's order.
+        self.layer_of = {n: i for i, names in enumerate(self.layers.values()) for n in names}
+        self.num_layers = len(self.layers)
 
     @classmethod
     def phases(cls, params: _SuPerFedFields, rounds: int) -> list[Phase]:
@@ -113,17 +167,33 @@ class SuPerFedMM(Algorithm):
         return slots
 
     def init_local(self, like: Params, client_id: int) -> Params:
-        """A client's local model, initialised differently from the global one (seeded by the client id):
-        Xavier-normal weights as in the official code, zero biases."""
+        """A client's local model, initialised differently from the global one (seeded by the client id),
+        per layer type as the official code's Lines* layers: conv / linear weights Xavier-normal, embedding
+        weights N(0, 1) (the padding row zero, as nn.Embedding has it), recurrent weights
+        U(-1/sqrt(hidden), 1/sqrt(hidden)), norm layers' weight ones and bias zeros; mixed biases zero."""
         gen = torch_generator(self.seed, "superfed-local-init", client_id)
+        modules = dict(self.model.named_modules())
         local = {}
-        for n in self.mixed:
-            t = torch.empty(like[n].shape, dtype=like[n].dtype)
-            if t.dim() > 1:
-                torch.nn.init.xavier_normal_(t, generator=gen)
-            else:
-                t.zero_()
-            local[n] = t.to(like[n].device)
+        for path, names in self.layers.items():
+            module = modules[path]
+            kind = layer_kind(module)
+            for n in names:
+                t = torch.empty(like[n].shape, dtype=like[n].dtype)
+                short = n[len(path) + 1:] if path else n
+                if kind == "norm":
+                    t.fill_(1.0 if short == "weight" else 0.0)
+                elif short.startswith("bias"):
+                    t.zero_()
+                elif kind == "embedding":
+                    torch.nn.init.normal_(t, generator=gen)
+                    if getattr(module, "padding_idx", None) is not None:
+                        t[module.padding_idx] = 0
+                elif kind == "rnn":
+                    bound = 1 / math.sqrt(module.hidden_size)
+                    torch.nn.init.uniform_(t, -bound, bound, generator=gen)
+                else:
+                    torch.nn.init.xavier_normal_(t, generator=gen)
+                local[n] = t.to(like[n].device)
         return local
 
     def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
@@ -152,8 +222,8 @@ class SuPerFedMM(Algorithm):
         return loss
 
     def mix(self, g: Params, l: Params, lam: torch.Tensor | float) -> Params:
-        """w(lam) = (1 - lam) w_g + lam w_l for the mixed tensors; the rest (shared biases) from w_g.
-        `lam` is a scalar, or one value per layer (Layer Mixing)."""
+        """w(lam) = (1 - lam) w_g + lam w_l for the mixed tensors; the rest (shared biases, norm layers
+        without mix_norm) from w_g. `lam` is a scalar, or one value per layer (module) for Layer Mixing."""
         out = dict(g)
         for n in self.mixed:
             lam_n = lam[self.layer_of[n]] if isinstance(lam, torch.Tensor) and lam.dim() == 1 else lam
@@ -180,7 +250,8 @@ class SuPerFedMM(Algorithm):
 
 
 class SuPerFedLM(SuPerFedMM):
-    """SuPerFed with Layer Mixing: every layer draws its own lam per mini-batch."""
+    """SuPerFed with Layer Mixing: every layer (module: a conv, a linear, a whole LSTM, an embedding, a
+    norm layer) draws its own lam per mini-batch. Mixes what SuPerFedMM mixes, with the same defaults."""
 
     name = "superfed_lm"
     Params = SuPerFedLMParams
