@@ -21,6 +21,7 @@ from fedpipe.data.datasets import DATASETS, DataConfig
 from fedpipe.data.partition import PartitionConfig
 from fedpipe.errors import ConfigError
 from fedpipe.models import MODELS
+from fedpipe.safe_load import load_yaml_file, parse_yaml
 from fedpipe.schema import Section
 
 
@@ -208,10 +209,8 @@ def apply_override(tree: dict, assignment: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"--set {assignment!r}: {key!r} is not a dotted field name like train.rounds.")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+    # YAML (numbers, bools, lists) within bounds; text that is not YAML stays text
+    value = parse_yaml(raw, f"--set {key.strip()}", "--set value", invalid_is_text=True) if raw.strip() else ""
     node = tree
     for part in parts[:-1]:
         child = node.get(part)
@@ -231,7 +230,12 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; `fedpipe config --explain` lists the fields)"
-        lines.append(f"  {loc or '(top level)'}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {loc}: required")
+        try:
+            got = repr(e.get("input"))
+        except ValueError:  # an int of more digits than Python prints (0x followed by 5,000 f's)
+            got = f"an {type(e.get('input')).__name__} too long to print"
+        got = got if len(got) <= 200 else got[:197] + "..."  # a value from a big file stays one line
+        lines.append(f"  {loc or '(top level)'}: {msg} (got {got})" if e["type"] != "missing" else f"  {loc}: required")
     return "The configuration is invalid:\n" + "\n".join(lines)
 
 
@@ -242,10 +246,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"Config file {p} does not exist. Pass a YAML file (see examples/) or leave --config out for the defaults.")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
+        tree = load_yaml_file(p) or {}  # size, encoding, nesting and alias expansion bounded
         if not isinstance(tree, dict):
             raise ConfigError(f"Config file {p} must hold a mapping of sections (run, data, partition, ...), not a {type(tree).__name__}.")
     for assignment in overrides or []:

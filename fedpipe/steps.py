@@ -33,6 +33,7 @@ from fedpipe.engine.seeding import derive_seed
 from fedpipe.engine.state import Checkpoints, PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError, StoreError
 from fedpipe.models import build_model
+from fedpipe.safe_load import MAX_RECORD_BYTES, manifest_byte_limit, read_store_json
 from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
 from fedpipe.telemetry.jsonl import JsonlSink
@@ -121,9 +122,12 @@ class Run:
                 self.store.put_text(key, json.dumps(record, indent=2))
                 return
             raise StoreError(f"Run {self.paths.run_id!r} has not been partitioned yet ({self.store.url(key)} is missing). Run `fedpipe partition` (or `fedpipe run`) first.")
-        record = json.loads(self.store.get_text(key))
+        record = read_store_json(self.store, key, "run record", MAX_RECORD_BYTES, CorruptArtifactError, _FRESH)
+        if not isinstance(record, dict):
+            raise CorruptArtifactError(f"{self.store.url(key)} is not a valid run record: not a JSON object. {_FRESH}")
         if record.get("fingerprint") != self.cfg.fingerprint():
-            diff = _config_diff(record.get("config", {}), self.cfg.model_dump(mode="json"))
+            old = record.get("config")
+            diff = _config_diff(old if isinstance(old, dict) else {}, self.cfg.model_dump(mode="json"))
             raise ConfigError(
                 f"Run {self.paths.run_id!r} in {self.store.url()} was made with a different configuration "
                 f"({diff}). Give this config another run.id, or pass --fresh to start that run over."
@@ -164,8 +168,14 @@ class Run:
         if not self.store.exists(self.paths.manifest):
             raise StoreError(f"{self.store.url(self.paths.manifest)} is missing: run `fedpipe partition` first.")
         url = self.store.url(self.paths.manifest)
+        # bounded by what this config's split of this dataset can produce (semantic_groups: <= one client per row)
+        p, pool = self.cfg.partition, len(self.bundle.train)
+        clients = getattr(p, "num_clients", None) or pool
+        shared = clients * getattr(p, "samples_per_client", 0) if p.clients_share_samples else None
+        limit = manifest_byte_limit(pool, clients, self.bundle.num_classes, shared)
+        tree = read_store_json(self.store, self.paths.manifest, "partition manifest", limit, CorruptArtifactError, _FRESH)
         try:
-            partition = Partition.from_manifest(json.loads(self.store.get_text(self.paths.manifest)))
+            partition = Partition.from_manifest(tree)
         except ValidationError as e:  # pydantic's first line names only the model: name the fields
             raise CorruptArtifactError(f"{url} is not a valid partition manifest: {_manifest_errors(e)}. Start the run over with `fedpipe run --fresh`.") from None
         except ValueError as e:  # not JSON (or not UTF-8): the file's content is wrong
@@ -338,6 +348,9 @@ class Run:
             draw(path)
             self.store.put(self.paths.report(name), path.read_bytes())
         return self.paths.report(name)
+
+
+_FRESH = "Start the run over with `fedpipe run --fresh`."
 
 
 def _manifest_errors(err: ValidationError, most: int = 3) -> str:

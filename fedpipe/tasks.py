@@ -17,6 +17,7 @@ import yaml
 from fedpipe.config import RunConfig, apply_override, load_config
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.report import render_html, summary_lines
+from fedpipe.safe_load import parse_yaml
 from fedpipe.steps import Run
 from fedpipe.store.base import sha256_hex
 from fedpipe.telemetry.progress import log_to_stderr
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 def _changed(value, default) -> bool:
     """KFP hands parameters inside a dict back as strings or floats: compare their YAML meaning."""
     if isinstance(value, str) and not isinstance(default, str):
-        value = yaml.safe_load(value)
+        value = parse_yaml(value, "a pipeline parameter", "parameter", invalid_is_text=True)
     return value != default
 
 
@@ -50,7 +51,7 @@ def resolve_config(
     Without an explicit run.id each pipeline job gets its own run (config-derived id + job id), so a
     scheduled rerun trains anew while a retried task resumes from its checkpoints."""
     log_to_stderr()
-    tree = yaml.safe_load(base_yaml) or {}
+    tree = parse_yaml(base_yaml, "the pipeline's base_config parameter") or {}
     if not isinstance(tree, dict):
         raise ConfigError("The pipeline's base_config parameter must be a YAML mapping of config sections.")
     if method:

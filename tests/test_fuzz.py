@@ -10,6 +10,7 @@ import atexit
 import json
 import shutil
 import tempfile
+import time
 import typing
 from pathlib import Path
 
@@ -211,3 +212,80 @@ def test_any_damaged_manifest_gives_a_partition_or_a_fedpipe_error(manifest_run,
         # the message names the part of the manifest that is wrong (or, for whole-manifest checks, what disagrees)
         named = [str(p) for p in path if isinstance(p, str)]
         assert any(n in message for n in named) or "manifest has" in message or "index" in message or "clients" in message, (path, message)
+
+
+# --- whole classes of hostile input, not only values: bytes, sizes, aliases, nesting ---------------------
+
+QUICK = 2.0  # seconds: each is refused (or read) in well under one; the margin is for a loaded test machine
+
+
+def _alias_tree(fanout: int, levels: int, recursive: bool) -> str:
+    lines = [f"a0: &a0 [{', '.join(['x'] * fanout)}]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * fanout)}]" for i in range(1, levels)]
+    if recursive:
+        lines.append("r: &r [1, *r]")
+    return "\n".join(lines) + "\n"
+
+
+def _nested(depth: int, kind: str) -> str:
+    if kind == "flow":
+        return "x: " + "[" * depth + "]" * depth + "\n"
+    return "".join("  " * i + f"k{i}:\n" for i in range(depth)) + "  " * depth + "v: 1\n"
+
+
+hostile_yaml = st.one_of(
+    st.binary(max_size=300),  # any bytes: invalid UTF-8, NULs, control characters
+    st.builds(lambda head, tail: head + b"\xff\xfe" + tail, st.binary(max_size=40), st.binary(max_size=40)),
+    st.builds(_alias_tree, st.integers(1, 12), st.integers(1, 12), st.booleans()).map(str.encode),
+    st.builds(_nested, st.integers(1, 900), st.sampled_from(["flow", "block"])).map(str.encode),
+    st.builds(lambda n, item: b"x: [" + item * n + b"1]\n", st.integers(0, 30_000), st.sampled_from([b"1, ", b"[], ", b"{}, "])),
+    st.builds(lambda scalar: b"run: {seed: " + scalar.encode() + b"}\n",
+              st.sampled_from(["1" * 5000, "2001-13-01", "2001-02-30 25:61:61", "!!binary zz", "!!python/object:os.system x", "0x" + "f" * 5000,
+                               "1e99999", ".nan", "&a 1", "*b", "!!set {a, b}", "!!omap [a: 1]", "\ufeff1"])),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(hostile_yaml)
+def test_hostile_config_bytes_give_a_config_error_quickly(data):
+    CONFIG_FILE.write_bytes(data)
+    start = time.perf_counter()
+    try:
+        load_config(CONFIG_FILE)
+    except ConfigError as e:  # a problem with the file itself names the file
+        assert str(e).startswith("The configuration is invalid") or str(CONFIG_FILE) in str(e), str(e)[:300]
+    assert time.perf_counter() - start < QUICK
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(hostile_yaml.map(lambda b: b.decode("utf-8", "replace")))
+def test_hostile_set_values_give_a_config_or_a_config_error_quickly(text):
+    start = time.perf_counter()
+    try:
+        load_config(None, [f"partition.label_families={text}"])
+    except ConfigError as e:
+        assert str(e).strip()
+    assert time.perf_counter() - start < QUICK
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_hostile_manifest_bytes_give_a_fedpipe_error_quickly(manifest_run, data):
+    run, manifest = manifest_run
+    text = json.dumps(manifest).encode()
+    kind = data.draw(st.sampled_from(["bytes", "nested", "padded", "utf8"]))
+    if kind == "bytes":
+        raw = data.draw(st.binary(max_size=300))
+    elif kind == "nested":
+        depth = data.draw(st.integers(1, 5_000))
+        raw = b'{"clients": ' + b"[" * depth + b"]" * depth + b"}"
+    elif kind == "padded":  # the real manifest followed by whitespace: a size well past what a digits split can be
+        raw = text + b" " * data.draw(st.sampled_from([1, 1 << 20, 8 << 20]))
+    else:
+        cut = data.draw(st.integers(0, len(text)))
+        raw = text[:cut] + data.draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00"])) + text[cut:]
+    start = time.perf_counter()
+    message = _load(run, raw)
+    assert time.perf_counter() - start < QUICK
+    if kind != "padded" or len(raw) > 2 * len(text) + (4 << 20):
+        assert message is not None and run.store.url(run.paths.manifest) in message, message

@@ -5,7 +5,11 @@ import json
 import pytest
 from runs import small_run
 
+import fedpipe.steps
 from fedpipe.algorithms import ALGORITHMS
+from fedpipe.algorithms.fedavg import FedAvg
+from fedpipe.engine.data import prepare_data
+from fedpipe.engine.rounds import select_clients
 
 # methods whose clients send exactly their whole model every round (the others are pinned in their own tests)
 WHOLE_MODEL_UPLOADS = {"fedavg", "fedprox", "fedavg_ft", "fedprox_ft", "superfed_mm", "superfed_lm", "ditto", "pfedme"}
@@ -39,11 +43,39 @@ def test_method_runs_end_to_end_and_reports(tmp_path, method):
         assert [ph.name for ph in run.phases()] == ["federation", "finetune"] and len(rounds) == 3
 
 
-def test_client_sampling_fraction_and_failures_are_counted(tmp_path):
-    run = small_run(tmp_path, "method.name=fedavg", "partition.num_clients=10", "train.client_fraction=0.3")
-    run.run_all()
+FAILING = {1, 4, 7}  # these clients raise whenever they are sampled
+
+
+class FailingSomeClients(FedAvg):
+    def client_result(self, ctx, slots, state):
+        if ctx.client_id in FAILING:
+            raise RuntimeError("simulated client crash")
+        return super().client_result(ctx, slots, state)
+
+
+def test_client_sampling_fraction_and_failures_are_counted(tmp_path, monkeypatch):
+    """C = 0.3 of 10 clients: 3 sampled per round; the sampled ones that fail are counted apart from
+    the ones that reported, every round, and the run still finishes with a model that learned."""
+    real = fedpipe.steps.build_algorithm
+
+    def build(params, model, seed):
+        algorithm = real(params, model, seed)
+        algorithm.__class__ = FailingSomeClients
+        return algorithm
+
+    monkeypatch.setattr(fedpipe.steps, "build_algorithm", build)
+    run = small_run(tmp_path, "method.name=fedavg", "partition.num_clients=10", "train.client_fraction=0.3", "train.rounds=4",
+                    "partition.scheme=iid")
+    summary = run.run_all()
     rounds = [json.loads(line) for line in (tmp_path / "test" / "report" / "rounds-federation.jsonl").read_text().splitlines()]
-    assert {r["clients"] for r in rounds} == {3} and {r["failed_clients"] for r in rounds} == {0}
+    data = prepare_data(run.bundle, run.load_partition(), run.device)
+    phase = run.phases()[0]
+    expected = [select_clients(data, phase, 0.3, run.cfg.run.seed, r) for r in phase.rounds]
+    assert all(len(chosen) == 3 for chosen in expected)
+    assert [r["failed_clients"] for r in rounds] == [len(FAILING & set(c)) for c in expected]
+    assert [r["clients"] for r in rounds] == [len(set(c) - FAILING) for c in expected]
+    assert sum(r["failed_clients"] for r in rounds) > 0  # the sampling met a failing client at least once
+    assert summary["global_model"]["top1"] > 0.3  # the failures were left out, the others' work kept
 
 
 def test_personalized_models_can_be_scored_on_the_global_test_set(tmp_path):

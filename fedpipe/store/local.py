@@ -64,6 +64,22 @@ def _write_temp(directory: Path, data: bytes) -> Path:
     return tmp
 
 
+#: A sidecar lists one hash (two while an object is replaced): "<64 hex>  <name>\n", a name being at
+#: most 255 bytes. Anything longer is not a sidecar fedpipe wrote, and is not read past this.
+MAX_SIDECAR_BYTES = 4096
+
+
+def _read_sidecar(sidecar: Path) -> bytes:
+    with sidecar.open("rb") as f:
+        data = f.read(MAX_SIDECAR_BYTES + 1)
+    if len(data) > MAX_SIDECAR_BYTES:
+        raise CorruptArtifactError(
+            f"The hash file {sidecar} is longer than the {MAX_SIDECAR_BYTES} bytes a fedpipe hash file can be: it was "
+            "replaced by something else. Delete the object and re-run the step that produces it."
+        )
+    return data
+
+
 def _hashes(sidecar: bytes) -> list[str]:
     """The hashes a sidecar lists, first one first (the newest write)."""
     text = sidecar.decode("ascii", errors="replace")
@@ -170,7 +186,7 @@ class LocalStore(Store):
             raise StoreError(f"Could not read the artifact {path}: {exc.strerror or exc}.") from exc
         sidecar = self._sidecar(path)
         try:
-            recorded = _hashes(sidecar.read_bytes())
+            recorded = _hashes(_read_sidecar(sidecar))
         except FileNotFoundError:
             raise CorruptArtifactError(
                 f"The artifact {path} has no recorded sha256 ({sidecar} is missing), so its "
@@ -189,6 +205,14 @@ class LocalStore(Store):
                 "re-run the step that produces it, or restore it from a copy."
             )
         return data
+
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes without reading it (None when it cannot be told), so that a
+        reader with a size cap refuses an oversized object before reading it."""
+        try:
+            return self._path(key).stat().st_size
+        except OSError:
+            return None
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
