@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+import fedpipe.steps
 from fedpipe.config import load_config
 from fedpipe.steps import Run
 
@@ -58,3 +59,16 @@ class CrashAfterRound:
     def round_finished(self, event):
         if event.round == self.n + 1:
             raise SystemExit("simulated crash")
+
+
+def swap_algorithm_class(monkeypatch, cls) -> None:
+    """Runs built from now on (in this test) use `cls`, a subclass of the configured method's class, as
+    their algorithm: how tests inject failing clients."""
+    real = fedpipe.steps.build_algorithm
+
+    def build(params, model, seed):
+        algorithm = real(params, model, seed)
+        algorithm.__class__ = cls
+        return algorithm
+
+    monkeypatch.setattr(fedpipe.steps, "build_algorithm", build)

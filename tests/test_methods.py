@@ -3,9 +3,8 @@
 import json
 
 import pytest
-from runs import small_run
+from runs import small_run, swap_algorithm_class
 
-import fedpipe.steps
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.algorithms.fedavg import FedAvg
 from fedpipe.engine.data import prepare_data
@@ -56,14 +55,7 @@ class FailingSomeClients(FedAvg):
 def test_client_sampling_fraction_and_failures_are_counted(tmp_path, monkeypatch):
     """C = 0.3 of 10 clients: 3 sampled per round; the sampled ones that fail are counted apart from
     the ones that reported, every round, and the run still finishes with a model that learned."""
-    real = fedpipe.steps.build_algorithm
-
-    def build(params, model, seed):
-        algorithm = real(params, model, seed)
-        algorithm.__class__ = FailingSomeClients
-        return algorithm
-
-    monkeypatch.setattr(fedpipe.steps, "build_algorithm", build)
+    swap_algorithm_class(monkeypatch, FailingSomeClients)
     run = small_run(tmp_path, "method.name=fedavg", "partition.num_clients=10", "train.client_fraction=0.3", "train.rounds=4",
                     "partition.scheme=iid")
     summary = run.run_all()

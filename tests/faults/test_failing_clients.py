@@ -7,10 +7,9 @@ import json
 
 import pytest
 import torch
-from runs import SMALL, small_run
+from runs import SMALL, small_run, swap_algorithm_class
 from typer.testing import CliRunner
 
-import fedpipe.steps
 from fedpipe.algorithms.fedavg import FedAvg
 from fedpipe.cli import app
 from fedpipe.errors import TrainingError
@@ -31,14 +30,7 @@ class FaultyFedAvg(FedAvg):
 
 @pytest.fixture
 def faulty_clients(monkeypatch):
-    real = fedpipe.steps.build_algorithm
-
-    def build(params, model, seed):
-        algorithm = real(params, model, seed)
-        algorithm.__class__ = FaultyFedAvg
-        return algorithm
-
-    monkeypatch.setattr(fedpipe.steps, "build_algorithm", build)
+    swap_algorithm_class(monkeypatch, FaultyFedAvg)
 
 
 def rounds(store):
