@@ -233,5 +233,24 @@ $PODMAN pull -q "$REMOTE_REF" > "$STATE/pull.log" 2>&1 || { cat "$STATE/pull.log
 say "pulled in $(since "$t0")"
 # The build tag again, so that the next build starts from it (layer cache) and `podman run $LOCAL_REF` works.
 $PODMAN tag "$REMOTE_REF" "$LOCAL_REF"
+
+# --- 8. pull as a new node would -----------------------------------------------------------------------------
+# The pull above finds every layer already in this storage and fetches only the manifest and config. A
+# cluster node starts empty: pull into an empty storage of its own, so every blob crosses the registry and
+# is checked against its digest, then drop that storage. Once per image (the ID is remembered).
+if [ "$(cat "$STATE/node-pulled.txt" 2>/dev/null)" != "$image_id" ]; then
+  t0=$(date +%s)
+  node=$STATE/node
+  as_root rm -rf "$node"
+  say "pulling $REMOTE_REF into an empty storage, as a new cluster node would..."
+  $PODMAN --root "$REPO/$node/root" --runroot "$REPO/$node/run" --storage-driver overlay pull -q "$REMOTE_REF" \
+    > "$STATE/node-pull.log" 2>&1 || { as_root rm -rf "$node"; cat "$STATE/node-pull.log" >&2; die "a fresh pull from $REGISTRY failed"; }
+  node_id=$($PODMAN --root "$REPO/$node/root" --runroot "$REPO/$node/run" --storage-driver overlay image inspect --format '{{.Id}}' "$REMOTE_REF")
+  $PODMAN --root "$REPO/$node/root" --runroot "$REPO/$node/run" --storage-driver overlay system reset -f > /dev/null 2>&1 || true
+  as_root rm -rf "$node"
+  [ "$node_id" = "$image_id" ] || die "the image a fresh node pulls ($node_id) is not the one built ($image_id)"
+  echo "$image_id" > "$STATE/node-pulled.txt"
+  say "a fresh node pulled the same image in $(since "$t0")"
+fi
 echo "$REMOTE_REF" > "$REF_FILE"
 say "image: $REMOTE_REF (written to $REF_FILE)"
