@@ -209,12 +209,9 @@ def parse_json(data: bytes, where: str, what: str, limit: int, error: type[Fedpi
 
 
 def read_store_json(store, key: str, what: str, limit: int, error: type[FedpipeError], advice: str = "") -> Any:
-    """A JSON value from the artifact store within bounds (the size is checked before reading when
-    the store can tell it: `store.size(key)`)."""
+    """A JSON value from the artifact store within bounds (its size checked before it is fetched)."""
     where = store.url(key)
-    size = getattr(store, "size", None)
-    if size is not None:
-        known = size(key)
-        if known is not None:
-            check_size(known, limit, where, what, error, advice)
+    known = store.size(key)
+    if known is not None:
+        check_size(known, limit, where, what, error, advice)
     return parse_json(store.get(key), where, what, limit, error, advice)

@@ -123,6 +123,9 @@ class MemoryStore(Store):
     def exists(self, key):
         return key in self.objects
 
+    def size(self, key):
+        return len(self.objects[key]) if key in self.objects else None
+
     def list(self, prefix=""):
         return sorted(k for k in self.objects if k.startswith(prefix))
 

@@ -7,7 +7,7 @@ import torch
 
 from fedpipe.algorithms.base import ServerState, Upload, weighted_average
 from fedpipe.algorithms.fedavg import FedAvg, FedAvgParams
-from fedpipe.algorithms.regularizers import proximal_layer_norms, proximal_squared, squared_cosine, weight_names
+from fedpipe.algorithms.regularizers import mixable_layers, proximal_layer_norms, proximal_squared, squared_cosine
 from fedpipe.models import TwoNN
 
 
@@ -36,8 +36,10 @@ def test_proximal_terms_equal_hand_computation():
     # FedProx: 1/2 * (1 + 4 + 1) = 3
     assert proximal_squared(w, a).item() == pytest.approx(3.0)
     # SuPerFed: ||(1, 2)||_2 = sqrt(5), over weights only (the bias has no local copy)
-    assert weight_names(w) == ["l1.weight"]
-    assert proximal_layer_norms(w, a, weight_names(w)).item() == pytest.approx(math.sqrt(5))
+    model = torch.nn.Module()
+    model.l1 = torch.nn.Linear(2, 1)
+    assert mixable_layers(model) == {"l1": ["l1.weight"]}
+    assert proximal_layer_norms(w, a, mixable_layers(model)["l1"]).item() == pytest.approx(math.sqrt(5))
 
 
 def test_proximal_layer_norm_gradient_is_finite_at_the_anchor():

@@ -38,12 +38,6 @@ class FedAvg(Algorithm):
         "train.client_fraction=1.0: every client trains every round (the paper's experiments mostly sample C = 0.1)",
     )
 
-    def __init_subclass__(cls, **kwargs):
-        # these lines name FedAvg's paper: a method built on FedAvg (FedProx, the -FT variants) lists its own
-        super().__init_subclass__(**kwargs)
-        if "departures" not in cls.__dict__:
-            cls.departures = None
-
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
         return [federation_phase(rounds, "federated training of one global model")]

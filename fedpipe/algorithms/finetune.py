@@ -137,11 +137,11 @@ class FedAvgFT(FedAvg):
     name = "fedavg_ft"
     Params = FedAvgFTParams
     paper = "McMahan et al. 2017"
-    departures = (*(FedAvg.departures or ()), *FINETUNE_DEPARTURES)
+    departures = (*FedAvg.departures, *FINETUNE_DEPARTURES)
 
 
 class FedProxFT(FedProx):
     name = "fedprox_ft"
     Params = FedProxFTParams
     paper = "Li et al. 2020, Eq. 2"
-    departures = (*(FedProx.departures or ()), *FINETUNE_DEPARTURES)  # FedProx's own, once listed
+    departures = (*FedProx.departures, *FINETUNE_DEPARTURES)

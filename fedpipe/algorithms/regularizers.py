@@ -37,12 +37,6 @@ def squared_cosine(a: Params, b: Params, names: Iterable[str]) -> torch.Tensor:
     return dot.pow(2) / (norm_a * norm_b)
 
 
-def weight_names(params: Params) -> list[str]:
-    """The tensors whose name ends in `weight` with dim > 1: the name-based selection fedpipe used before
-    `mixable_layers`. Kept for callers outside SuPerFed and FedProx; it misses an LSTM's `weight_ih_l0`."""
-    return [n for n, t in params.items() if n.endswith("weight") and t.dim() > 1]
-
-
 # --- which tensors SuPerFed mixes (and FedProx's `layer_norms` covers), chosen by module type -------
 
 _CONV_LINEAR = (nn.modules.conv._ConvNd, nn.Linear)

@@ -39,7 +39,7 @@ With mu = nu = 0 and no Phase II it is FedAvg; with nu = 0 and no Phase II it is
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -102,14 +102,6 @@ class SuPerFedLMParams(_SuPerFedFields):
     """Weight of the orthogonality term cos^2(w_g, w_l) in Phase II (official default 2 for LM)."""
 
 
-NOTES = (
-    "mixes every conv, linear, LSTM/GRU/RNN and embedding layer, chosen by module type (a layer of another "
-    "type is refused); mix_bias=false: biases shared (the released code has none; its first Table 4 CNN "
-    "shared them); mix_norm=true: norm layers' affine weight and bias mixed (official LinesBN); "
-    "superfed_cnn is bias-free like the released code's models"
-)
-
-
 class SuPerFedMM(Algorithm):
     """SuPerFed with Model Mixing: one lam per mini-batch for every layer.
 
@@ -123,7 +115,6 @@ class SuPerFedMM(Algorithm):
     name = "superfed_mm"
     Params = SuPerFedMMParams
     paper = "Hahn et al. 2022, Eq. 3 and Algorithm 1"
-    notes: ClassVar[str] = NOTES  # what it mixes and why its defaults are what they are
     departures = (
         "mix_bias=false: biases are shared, not mixed (the released code's models have no biases; its first Table 4 "
         "CNN shared them); mix_norm=true: norm layers' affine weight and bias are mixed (official LinesBN); every "

@@ -39,6 +39,11 @@ class Store(ABC):
         """Remove `key` (and its recorded hash); no error when absent."""
 
     @abstractmethod
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes without reading it (None when absent), so that a reader with a size
+        cap refuses an oversized object before fetching it."""
+
+    @abstractmethod
     def url(self, key: str = "") -> str:
         """Where `key` lives, for messages: a local path or an s3:// URL."""
 

@@ -207,8 +207,6 @@ class LocalStore(Store):
         return data
 
     def size(self, key: str) -> int | None:
-        """The object's size in bytes without reading it (None when it cannot be told), so that a
-        reader with a size cap refuses an oversized object before reading it."""
         try:
             return self._path(key).stat().st_size
         except OSError:

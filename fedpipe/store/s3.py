@@ -415,16 +415,18 @@ class S3Store(Store):
         return data
 
     def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def size(self, key: str) -> int | None:
         name = self._name(key)
 
-        def stat() -> bool:
+        def stat() -> int | None:
             try:
-                self._client.stat_object(self.bucket, name)
+                return self._client.stat_object(self.bucket, name).size
             except S3Error as exc:
                 if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound", "NoSuchBucket", "ResourceNotFound"):
-                    return False
+                    return None
                 raise
-            return True
 
         return self._call(f"checking {self.url(key)}", stat)
 
