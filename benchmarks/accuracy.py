@@ -38,8 +38,8 @@ def one_run(method: str, split: str, seed: int, common: list[str], store: str) -
     import torch
 
     torch.set_num_threads(1)
-    from fedpipe.config import load_config
-    from fedpipe.steps import Run
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     cfg = load_config(None, [*common, *SPLITS[split], f"method.name={method}", f"run.seed={seed}", f"run.store={store}", "telemetry.progress=false"])
     t0 = time.perf_counter()

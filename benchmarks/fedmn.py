@@ -45,8 +45,8 @@ def one_run(method: str, seed: int, overrides: list[str], finetune_epochs: int, 
     import torch
 
     torch.set_num_threads(1)
-    from fedpipe.config import load_config
-    from fedpipe.steps import Run
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     method_override = (["method.name=fedmn", f"method.finetune_epochs={finetune_epochs}"] if method == "fedmn"
                        else [f"method={{name: fedavg_ft, finetune_epochs: {finetune_epochs}}}"])
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             r = fut.result()
             runs.append(r)
             print(f"  {r['method']} seed {r['seed']}: {r['seconds']:.0f} s", file=sys.stderr)
-    from fedpipe.config import load_config
+    from fedpipe.run.config import load_config
 
     cfg = load_config(EXAMPLE, overrides)
     text = (

@@ -49,10 +49,10 @@ def one_run(p: float, q: float, seed: int, common: list[str], store: str) -> dic
     import torch
 
     torch.set_num_threads(1)
-    from fedpipe.config import load_config
-    from fedpipe.engine.data import prepare_data
-    from fedpipe.evaluation import evaluate_model
-    from fedpipe.steps import Run
+    from fedpipe.data.federated import prepare_data
+    from fedpipe.engine.evaluation import evaluate_model
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     cfg = load_config(None, [*common, f"partition.p={p}", f"partition.opt_out_fraction={q}", f"run.seed={seed}",
                              f"run.store={store}", "telemetry.progress=false"])

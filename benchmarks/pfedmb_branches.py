@@ -30,8 +30,8 @@ def one_run(branches: int, seed: int, common: list[str], store: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from fedpipe.config import load_config
-    from fedpipe.steps import Run
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     cfg = load_config(None, [*common, f"method.num_branches={branches}", f"run.seed={seed}", f"run.store={store}",
                              f"run.id=pfedmb-b{branches}-s{seed}", "telemetry.progress=false"])

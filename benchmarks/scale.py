@@ -53,8 +53,8 @@ def one_run(method: str, common: list[str], store: str) -> dict:
 
     import torch
 
-    from fedpipe.config import load_config
-    from fedpipe.steps import Run
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     logging.basicConfig(level=logging.INFO, format=f"  [{method}] %(message)s", stream=sys.stderr)
     torch.set_num_threads(1)

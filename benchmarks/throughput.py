@@ -71,7 +71,7 @@ def matmul_peak(threads: int) -> float:
 def flops_per_sample(model_name: str, shape: tuple[int, int, int], batch: int) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fedpipe.models import build_model
+    from fedpipe.nn.networks import build_model
 
     model = build_model(model_name, shape, 10)
     x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
@@ -95,8 +95,8 @@ def cifar_shaped_root(folder: Path) -> Path:
 
 def measure(overrides: list[str], store: Path, phase: str = "federation") -> dict:
     """Partition and train one phase; the last round's samples/s and seconds."""
-    from fedpipe.config import load_config
-    from fedpipe.steps import Run
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     cfg = load_config(None, [*overrides, f"run.store={store}", "run.id=bench", "telemetry.progress=false", "eval.every=0"])
     run = Run(cfg)
@@ -114,9 +114,9 @@ def measure(overrides: list[str], store: Path, phase: str = "federation") -> dic
 
 def bare_loop(threads: int, store: Path, overrides: list[str]) -> float:
     """A plain PyTorch loop (module, torch.optim.SGD, slices) over the peer setting's client data, 1 epoch each."""
-    from fedpipe.config import load_config
-    from fedpipe.engine.data import prepare_data
-    from fedpipe.steps import Run
+    from fedpipe.data.federated import prepare_data
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
 
     torch.set_num_threads(threads)
     run = Run(load_config(None, [*overrides, f"run.store={store}", "run.id=bare", "telemetry.progress=false"]))

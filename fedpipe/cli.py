@@ -47,7 +47,7 @@ def _guarded(fn):
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]], run_id: Optional[str] = None):
-    from fedpipe.config import load_config
+    from fedpipe.run.config import load_config
 
     sets = list(overrides or [])
     if run_id:
@@ -56,7 +56,7 @@ def _load(config: Optional[Path], overrides: Optional[list[str]], run_id: Option
 
 
 def _print_summary(summary: dict) -> None:
-    from fedpipe.report import summary_lines
+    from fedpipe.run.report import summary_lines
 
     typer.echo("\n".join(summary_lines(summary)))
 
@@ -76,8 +76,8 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     """
     import json
 
-    from fedpipe.pipelines.local import run_locally, run_method_locally
-    from fedpipe.steps import Run
+    from fedpipe.pipelines.local_runner import run_locally, run_method_locally
+    from fedpipe.run.run import Run
 
     cfg = _load(config, set, run_id)
     r = Run(cfg)
@@ -106,7 +106,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
 @_guarded
 def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None):
     """Split the dataset over clients: writes the manifest (client -> sample indices) and a label heatmap."""
-    from fedpipe.steps import Run
+    from fedpipe.run.run import Run
 
     r = Run(_load(config, set, run_id))
     p = r.partition()
@@ -119,7 +119,7 @@ def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = N
 def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to run (see `fedpipe methods`), e.g. federation.")],
           config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None):
     """Run one training phase; it reads the previous phase's state and resumes from its own last checkpoint."""
-    from fedpipe.steps import Run
+    from fedpipe.run.run import Run
 
     r = Run(_load(config, set, run_id))
     state = r.train(phase)
@@ -132,7 +132,7 @@ def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to
 @_guarded
 def evaluate(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None):
     """Evaluate the last phase's models and write the report (summary, per-client table, plots)."""
-    from fedpipe.steps import Run
+    from fedpipe.run.run import Run
 
     _print_summary(Run(_load(config, set, run_id)).evaluate())
 
@@ -158,8 +158,8 @@ def verify(run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run's 
     A damaged file cannot be repaired from the manifest: delete it and rerun the step that writes
     it (`fedpipe run` reuses the intact steps), or restore it from a copy.
     """
+    from fedpipe.run.verify import verify_run
     from fedpipe.store import open_store
-    from fedpipe.verify import verify_run
 
     if store is None:
         store = _load(config, set).run.store
@@ -230,7 +230,7 @@ JobTimeoutOpt = Annotated[Optional[int], typer.Option("--job-timeout", min=1, he
 
 def _distributed(phase, nodes, processes, gpus, cleanup, timeout) -> tuple:
     """The PyTorchJob settings of --distributed-phase (none without it)."""
-    from fedpipe.pipelines.pytorchjob import PhaseJob
+    from fedpipe.k8s.pytorchjob import PhaseJob
 
     given = {("nodes", "--nodes"): nodes, ("processes_per_node", "--processes-per-node"): processes,
              ("gpus_per_process", "--gpus-per-process"): gpus, ("cleanup", "--job-cleanup"): cleanup,
@@ -291,7 +291,7 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
              nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None, gpus_per_process: GpusOpt = None,
              job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
     """Compile the method's pipeline (one task per phase) to Kubeflow Pipelines v2 YAML."""
-    from fedpipe.components.steps import compile_components
+    from fedpipe.components.definitions import compile_components
     from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, shipped_pipelines
 
     if all_:

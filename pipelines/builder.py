@@ -27,10 +27,10 @@ from kfp import compiler, dsl, kubernetes
 
 from fedpipe import __version__
 from fedpipe.algorithms import ALGORITHMS, phases_of
-from fedpipe.components.steps import Components, build
-from fedpipe.config import RunConfig, load_config
+from fedpipe.components.definitions import Components, build
 from fedpipe.errors import ConfigError
-from fedpipe.pipelines.pytorchjob import PhaseJob
+from fedpipe.k8s.pytorchjob import PhaseJob
+from fedpipe.run.config import RunConfig, load_config
 
 # Fields that are fixed by the pipeline's shape: the method decides the phases (one task each),
 # and the scheme decides which partition fields exist. Change them with `overrides` or another pipeline.
@@ -103,7 +103,7 @@ class DeployOptions:
     retries: int = 2  # a failed training task is retried and resumes from its last checkpoint
     extra_env: dict[str, str] = field(default_factory=dict)
     # Phases that run as a Kubeflow Training Operator PyTorchJob, started and awaited by a small launcher
-    # task, instead of as one training task (fedpipe.pipelines.pytorchjob).
+    # task, instead of as one training task (fedpipe.k8s.pytorchjob).
     distributed: tuple[PhaseJob, ...] = ()
 
     def __post_init__(self) -> None:

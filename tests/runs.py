@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-import fedpipe.steps
-from fedpipe.config import load_config
-from fedpipe.steps import Run
+import fedpipe.run.run
+from fedpipe.run.config import load_config
+from fedpipe.run.run import Run
 
 # 6 clients of the real mnist5k digits, the 784-200-200-10 MLP, 3 rounds of 1 epoch: a few seconds.
 SMALL = [
@@ -64,11 +64,11 @@ class CrashAfterRound:
 def swap_algorithm_class(monkeypatch, cls) -> None:
     """Runs built from now on (in this test) use `cls`, a subclass of the configured method's class, as
     their algorithm: how tests inject failing clients."""
-    real = fedpipe.steps.build_algorithm
+    real = fedpipe.run.run.build_algorithm
 
     def build(params, model, seed):
         algorithm = real(params, model, seed)
         algorithm.__class__ = cls
         return algorithm
 
-    monkeypatch.setattr(fedpipe.steps, "build_algorithm", build)
+    monkeypatch.setattr(fedpipe.run.run, "build_algorithm", build)

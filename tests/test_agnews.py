@@ -114,7 +114,7 @@ def test_agnews_is_read_from_minio(tmp_path, s3_env, s3_credentials):
 
 
 def test_bilstm_reads_token_sequences_and_skips_the_padding():
-    from fedpipe.models import auto_model_name, build_model
+    from fedpipe.nn.networks import auto_model_name, build_model
 
     torch.manual_seed(0)
     short = build_model("bilstm", (12, 50), 4)
@@ -137,7 +137,7 @@ def test_fedmoe_runs_on_agnews_end_to_end(tmp_path):
     and gate) trains all three phases on them."""
     from runs import small_run
 
-    from fedpipe.engine.data import prepare_data
+    from fedpipe.data.federated import prepare_data
 
     write_agnews(tmp_path / "data" / "ag_news_csv")
     before = torch.get_num_threads()

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from fedpipe.algorithms.apfl import APFL, APFLParams
 from fedpipe.algorithms.base import ClientContext, ServerState
-from fedpipe.models import build_model
+from fedpipe.nn.networks import build_model
 
 SMALL = ["partition.num_clients=4", "train.rounds=2", "run.threads=1"]
 
@@ -144,8 +144,8 @@ def test_lgfedavg_rejects_layer_choices_that_leave_nothing_local_or_global():
 
 def test_lgfedavg_client_trains_its_representation_and_the_head_jointly():
     from fedpipe.algorithms.lgfedavg import LGFedAvg, LGFedAvgParams
-    from fedpipe.engine.data import ClientData, Split
-    from fedpipe.engine.local import train_client
+    from fedpipe.data.federated import ClientData, Split
+    from fedpipe.engine.sequential import train_client
 
     gen = torch.Generator().manual_seed(0)
     model = build_model("twonn", (1, 8, 8), 3)

@@ -7,8 +7,8 @@ from runs import SMALL, small_run
 from typer.testing import CliRunner
 
 from fedpipe.cli import app
-from fedpipe.config import load_config
 from fedpipe.errors import ConfigError, CorruptArtifactError
+from fedpipe.run.config import load_config
 
 
 def invoke(*args):

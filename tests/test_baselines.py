@@ -17,9 +17,9 @@ from fedpipe.algorithms.fedfomo import IDS, WEIGHTS, FedFomo, FedFomoParams
 from fedpipe.algorithms.fedper import FedPer, FedPerParams
 from fedpipe.algorithms.ifca import IFCA, IFCAParams
 from fedpipe.algorithms.pfedme import PFedMe, PFedMeParams
-from fedpipe.config import load_config
 from fedpipe.errors import ConfigError
-from fedpipe.steps import Run
+from fedpipe.run.config import load_config
+from fedpipe.run.run import Run
 
 
 class Head(nn.Module):

@@ -12,7 +12,7 @@ from fedpipe.algorithms.base import ServerState
 from fedpipe.engine.client_states import ClientStates, params_bytes
 from fedpipe.engine.state import Checkpoints, PhaseState
 from fedpipe.errors import CorruptArtifactError
-from fedpipe.steps import Run
+from fedpipe.run.run import Run
 from fedpipe.store import LocalStore
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fedpipe.config import RunConfig, load_config
 from fedpipe.errors import ConfigError
+from fedpipe.run.config import RunConfig, load_config
 
 
 def test_defaults_are_the_embedded_default_run():

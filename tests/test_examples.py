@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpipe.config import load_config
+from fedpipe.run.config import load_config
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedpipe.config import load_config
 from fedpipe.data.datasets import load_dataset
+from fedpipe.data.federated import prepare_data
 from fedpipe.data.partition import Partition, make_partition
-from fedpipe.engine.data import prepare_data
+from fedpipe.run.config import load_config
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ from runs import small_run
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.algorithms.base import ClientContext, ServerState, Upload
 from fedpipe.algorithms.fedmn import DECISION, UPLOADED, FedMN, FedMNParams, temperature
-from fedpipe.config import load_config
+from fedpipe.data.federated import ClientData, Split
 from fedpipe.engine.clients import payload_bytes
-from fedpipe.engine.data import ClientData, Split
-from fedpipe.engine.local import train_client
-from fedpipe.engine.seeding import torch_generator
+from fedpipe.engine.sequential import train_client
 from fedpipe.errors import ConfigError
-from fedpipe.models import build_model
-from fedpipe.modular import PathLayout
+from fedpipe.nn.modular import PathLayout
+from fedpipe.nn.networks import build_model
+from fedpipe.run.config import load_config
+from fedpipe.seeding import torch_generator
 
 
 def make(model="lenet5", **kw) -> FedMN:

@@ -14,13 +14,13 @@ from runs import SMALL, assert_same_params, small_run
 from torch.func import functional_call
 from torch.nn import functional as F
 
-import fedpipe.steps
+import fedpipe.run.run
 from fedpipe.algorithms.base import ClientContext, ServerState
 from fedpipe.algorithms.fedmoe import FedMoE, FedMoEParams, part, prefixed
 from fedpipe.data import LabeledArrays
-from fedpipe.engine.data import ClientData, Split
-from fedpipe.engine.local import train_client
-from fedpipe.models import build_model
+from fedpipe.data.federated import ClientData, Split
+from fedpipe.engine.sequential import train_client
+from fedpipe.nn.networks import build_model
 
 # 6 clients of 60 real mnist5k digits (majority classes 80%), half of them opt-out, the MLP, Adam,
 # 2 federated rounds, then specialists and gates with at most 3 epochs: a few seconds per phase.
@@ -43,7 +43,7 @@ def one_thread():
 def _altered_data(monkeypatch, which):
     """Make every later `prepare_data` see other images and labels in the rows of the clients `which`
     picks (a function of the partition's client): the dataset arrays themselves are changed."""
-    real = fedpipe.steps.prepare_data
+    real = fedpipe.run.run.prepare_data
 
     def altered(bundle, partition, device):
         x, y = bundle.train.x.copy(), bundle.train.y.copy()
@@ -55,7 +55,7 @@ def _altered_data(monkeypatch, which):
                 y[rows] = (y[rows] + 1) % bundle.num_classes
         return real(dataclasses.replace(bundle, train=LabeledArrays(x, y)), partition, device)
 
-    monkeypatch.setattr(fedpipe.steps, "prepare_data", altered)
+    monkeypatch.setattr(fedpipe.run.run, "prepare_data", altered)
 
 
 def test_opt_out_clients_data_never_reaches_the_global_model(tmp_path, monkeypatch):
@@ -144,7 +144,7 @@ def test_phases_freeze_the_global_model_and_every_client_gets_a_specialist_and_a
     assert opt_out and opt_out <= set(gate.clients) and set(gate.clients) == set(range(6))
 
     # one client's phase 3 by hand: the downloaded global tensors are read, never written
-    data = fedpipe.steps.prepare_data(run.bundle, run.load_partition(), torch.device("cpu"))
+    data = fedpipe.run.run.prepare_data(run.bundle, run.load_partition(), torch.device("cpu"))
     phase = run.phases()[2]
     client = data.clients[sorted(opt_out)[0]]
     ctx = ClientContext(client.client_id, phase.first_round, phase, client)
@@ -213,8 +213,8 @@ def test_fedmoe_runs_end_to_end_and_reports(tmp_path):
 def test_one_pipeline_task_per_phase_without_new_pipeline_code(tmp_path):
     """Must-show 4: the generic pipeline builder makes one training task per phase of fedmoe, each
     after the one before it."""
-    from fedpipe.config import load_config
     from fedpipe.pipelines.builder import compile_pipeline, method_pipeline
+    from fedpipe.run.config import load_config
 
     cfg = load_config(None, ["method.name=fedmoe"])
     spec = next(yaml.safe_load_all(compile_pipeline(method_pipeline(cfg), tmp_path / "fedmoe.yaml").read_text()))
@@ -232,9 +232,9 @@ def test_one_pipeline_task_per_phase_without_new_pipeline_code(tmp_path):
 def test_the_fedmoe_pipeline_runs_locally(tmp_path):
     """Must-show 4, executed: kfp's local runner runs config, partition, the three phases and evaluate,
     each task in its own process."""
-    from fedpipe.config import load_config
     from fedpipe.pipelines.builder import method_pipeline
-    from fedpipe.pipelines.local import run_locally
+    from fedpipe.pipelines.local_runner import run_locally
+    from fedpipe.run.config import load_config
 
     cfg = load_config(None, [*SMALL, *MOE, f"run.store={tmp_path}", "run.id=pipe"])
     artifacts = run_locally(method_pipeline(cfg), {"base_config": cfg.to_yaml()}, tmp_path / "_kfp")

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from runs import small_run
 
-from fedpipe.config import RunConfig, load_config
 from fedpipe.data.partition import make_partition
 from fedpipe.errors import ConfigError, FedpipeError
+from fedpipe.run.config import RunConfig, load_config
 from fedpipe.store.base import Store
 
 # Generated cases per test; 4 tests, so 4 x EXAMPLES cases in all (about 20 s on 2 busy cores).

@@ -13,7 +13,7 @@ from fedpipe.algorithms.base import ClientContext
 from fedpipe.algorithms.fedprox import FedProx, FedProxParams
 from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedLMParams, SuPerFedMM, SuPerFedMMParams
 from fedpipe.errors import ConfigError
-from fedpipe.models import MODELS, build_model
+from fedpipe.nn.networks import MODELS, build_model
 
 TEXT_SHAPE = (12, 50)  # (tokens, vocabulary): a small BiLSTM
 IMAGE_SHAPE = (1, 28, 28)

@@ -11,9 +11,9 @@ from runs import small_run
 
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.algorithms.base import ServerState
-from fedpipe.engine.data import prepare_data
-from fedpipe.evaluation import eval_mode, evaluate_model, evaluate_personalized, predict
-from fedpipe.models import build_model
+from fedpipe.data.federated import prepare_data
+from fedpipe.engine.evaluation import eval_mode, evaluate_model, evaluate_personalized, predict
+from fedpipe.nn.networks import build_model
 
 CHANCE = 0.1  # 10 digit classes
 LEARNED = 4 * CHANCE  # a faithful method reaches 0.65-0.95 here; an untrained MLP scores 0.1-0.2

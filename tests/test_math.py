@@ -8,7 +8,7 @@ import torch
 from fedpipe.algorithms.base import ServerState, Upload, weighted_average
 from fedpipe.algorithms.fedavg import FedAvg, FedAvgParams
 from fedpipe.algorithms.regularizers import mixable_layers, proximal_layer_norms, proximal_squared, squared_cosine
-from fedpipe.models import TwoNN
+from fedpipe.nn.networks import TwoNN
 
 
 def test_weighted_average_equals_hand_computation():

@@ -7,7 +7,7 @@ from runs import small_run, swap_algorithm_class
 
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.algorithms.fedavg import FedAvg
-from fedpipe.engine.data import prepare_data
+from fedpipe.data.federated import prepare_data
 from fedpipe.engine.rounds import select_clients
 
 # methods whose clients send exactly their whole model every round (the others are pinned in their own tests)

@@ -14,14 +14,14 @@ from torch.func import functional_call
 
 from fedpipe.algorithms.base import ClientContext, Upload
 from fedpipe.algorithms.pfedmb import ALPHA, PFedMB, PFedMBParams, alpha_weighted_average
-from fedpipe.config import load_config
 from fedpipe.data.datasets import load_dataset
+from fedpipe.data.federated import ClientData, Split
 from fedpipe.data.partition import make_partition
-from fedpipe.engine.data import ClientData, Split
-from fedpipe.engine.local import train_client
+from fedpipe.engine.sequential import train_client
 from fedpipe.errors import ConfigError
-from fedpipe.models import LeNet5, TwoNN
-from fedpipe.multibranch import BranchLayout, MultiBranchConv2d, MultiBranchLinear, project_onto_simplex
+from fedpipe.nn.multibranch import BranchLayout, MultiBranchConv2d, MultiBranchLinear, project_onto_simplex
+from fedpipe.nn.networks import LeNet5, TwoNN
+from fedpipe.run.config import load_config
 
 
 def lenet():

@@ -12,9 +12,9 @@ from runs import SMALL
 
 import fedpipe.components
 from fedpipe.algorithms import ALGORITHMS, phases_of
-from fedpipe.components.steps import compile_components
-from fedpipe.config import load_config
+from fedpipe.components.definitions import compile_components
 from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, method_pipeline, shipped_pipelines
+from fedpipe.run.config import load_config
 
 COMPONENTS = os.path.dirname(fedpipe.components.__file__)
 
@@ -115,11 +115,11 @@ def test_the_benchmark_pipeline_compares_methods_on_one_partition(tmp_path):
 
 
 def test_a_distributed_phase_is_a_pytorchjob_launcher_task(tmp_path):
-    """`--distributed-phase`: that phase's task launches a PyTorchJob (fedpipe.pipelines.pytorchjob);
+    """`--distributed-phase`: that phase's task launches a PyTorchJob (fedpipe.k8s.pytorchjob);
     the other phases stay ordinary training tasks, and the chain of states is unchanged."""
     from fedpipe.errors import ConfigError
+    from fedpipe.k8s.pytorchjob import PhaseJob
     from fedpipe.pipelines.builder import LAUNCHER_COMPONENT, benchmark_pipeline
-    from fedpipe.pipelines.pytorchjob import PhaseJob
 
     job = PhaseJob("personalization", nodes=3, processes_per_node=2, gpus_per_process=1)
     options = DeployOptions(distributed=(job,), pushgateway="http://pgw:9091")
@@ -270,7 +270,7 @@ def test_bad_deploy_flags_are_plain_errors(tmp_path, flags, message):
 def test_a_base_config_pasted_in_the_ui_keeps_the_deployments_store_and_pushgateway(tmp_path):
     """resolve_config: a field the base config leaves out (or null) takes the pipeline parameter's value,
     a field it sets is kept unless the run changed the parameter."""
-    from fedpipe.tasks import resolve_config
+    from fedpipe.components.bodies import resolve_config
 
     defaults = {"run.store": "s3://mlpipeline/fedpipe", "telemetry.pushgateway": "http://pgw:9091", "train.rounds": 30}
     base = "method: {name: fedavg}\ntelemetry: {pushgateway: null}\n"

@@ -11,7 +11,7 @@ import pytest
 
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store import LocalStore, S3Store, Store, open_store, validate_key
-from fedpipe.store import local as local_mod
+from fedpipe.store import folder as local_mod
 
 
 @pytest.fixture

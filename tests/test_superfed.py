@@ -5,7 +5,7 @@ import torch
 
 from fedpipe.algorithms.base import ClientContext, ServerState
 from fedpipe.algorithms.superfed import SuPerFedLM, SuPerFedLMParams, SuPerFedMM, SuPerFedMMParams
-from fedpipe.models import SuPerFedCNN
+from fedpipe.nn.networks import SuPerFedCNN
 
 
 def make(cls=SuPerFedMM, bias=False, **kw):

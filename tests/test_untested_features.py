@@ -12,8 +12,8 @@ from runs import small_run, train_all
 
 import fedpipe.engine.clients
 from fedpipe.algorithms.base import ServerState
-from fedpipe.engine.data import ClientData, FederatedData, Split
-from fedpipe.evaluation import evaluate_personalized, expected_calibration_error, score
+from fedpipe.data.federated import ClientData, FederatedData, Split
+from fedpipe.engine.evaluation import evaluate_personalized, expected_calibration_error, score
 
 # --- ECE ---------------------------------------------------------------------------------------------
 

@@ -25,10 +25,10 @@ from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
-from fedpipe.schema import Section
+from fedpipe.config import Section
 
 if TYPE_CHECKING:
-    from fedpipe.engine.data import ClientData
+    from fedpipe.data.federated import ClientData
 
 Params = dict[str, torch.Tensor]
 Slots = dict[str, Params]  # slot name -> parameters, e.g. {"global": {...}, "local": {...}}

@@ -51,7 +51,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
-from fedpipe.engine.seeding import torch_generator
+from fedpipe.seeding import torch_generator
 
 WEIGHTS, IDS = "fedfomo/weights", "fedfomo/ids"  # sent with the model: the w_n of Eq. 5 and whose models they weigh
 AFFINITY, PARTICIPATIONS = "fedfomo/affinity", "fedfomo/participations"  # server-side, per client

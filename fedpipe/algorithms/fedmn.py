@@ -2,7 +2,7 @@
 2210.14830, 2022). Only two pages of the paper survive; what they leave out comes from the official
 code as restated in ../shared/reference/fedmn.md, without its quirks.
 
-A pool of modular units (fedpipe/modular.py: n_1 encoders, then MLP units; E = sum_l n_l n_{l+1} + n_L
+A pool of modular units (fedpipe/nn/modular.py: n_1 encoders, then MLP units; E = sum_l n_l n_{l+1} + n_L
 path variables, Section II-A) is shared by all clients. Each client's routing hypernetwork reads its
 whole training set (per-sample embeddings of x and y, averaged: a summary of p(x, y)) and outputs one
 logit per path; the client's architecture V_m is a vector of conditionally independent Bernoulli
@@ -25,7 +25,7 @@ with the architecture fixed for an epoch of local training (Section II-B).
   `tau_schedule` (exponential or linear in the round; the official annealing condition never fires).
 - Upload: the router, and the units the client trained: those on an active path in at least one
   of its epochs (the others get no gradient and stay bitwise equal to the download, see
-  fedpipe/modular.py). Server: each unit is the sample-weighted average over the clients that
+  fedpipe/nn/modular.py). Server: each unit is the sample-weighted average over the clients that
   uploaded it, and keeps its value when none did; the router is averaged over all clients. The
   download is the whole pool (a client needs every unit its epochs may sample).
 - Kept state: the client's decision at the end of its last round, its most probable architecture
@@ -71,9 +71,9 @@ from fedpipe.algorithms.base import (
     federation_phase,
     weighted_average,
 )
-from fedpipe.engine.seeding import derive_seed
 from fedpipe.errors import ConfigError
-from fedpipe.modular import ModularNetwork, RoutingHypernetwork
+from fedpipe.nn.modular import ModularNetwork, RoutingHypernetwork
+from fedpipe.seeding import derive_seed
 
 NET, ROUTER = "net.", "router."  # name prefixes of the pool's units and of the router
 DECISION = "decision"  # a client's architecture: E floats in {0, 1} (kept state; also in its candidate)

@@ -68,7 +68,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
-from fedpipe.engine.seeding import torch_generator
+from fedpipe.seeding import torch_generator
 
 FINETUNED, LOCAL, SPECIALIST, GATE, GLOBAL = "finetuned", "local", "specialist", "gate", "global"
 

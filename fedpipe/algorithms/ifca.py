@@ -50,7 +50,7 @@ from fedpipe.algorithms.base import (
     federation_phase,
     weighted_average,
 )
-from fedpipe.engine.seeding import derive_seed
+from fedpipe.seeding import derive_seed
 
 CLUSTER_KEY = "ifca/cluster"  # in a client's kept state: the cluster it picked last, as an int64 scalar
 LOSS_BATCH = 1024  # samples per forward when estimating a client's cluster (memory only)

@@ -42,7 +42,7 @@ from fedpipe.algorithms.base import (
     federation_phase,
 )
 from fedpipe.errors import ConfigError
-from fedpipe.models import names_under
+from fedpipe.nn.networks import names_under
 
 
 class LGFedAvgParams(MethodParams):

@@ -1,7 +1,7 @@
 """pFedMB (Mori et al., "Personalized Federated Learning with Multi-branch Architecture", 2023).
 
 Every conv / linear layer is split into B branches shared by all clients; each client mixes them
-with its own weights alpha on the simplex (Eq. 1-2, see fedpipe/multibranch.py). Algorithm 1:
+with its own weights alpha on the simplex (Eq. 1-2, see fedpipe/nn/multibranch.py). Algorithm 1:
 
 - a client downloads the branches W^t, then updates its alpha for E epochs with W fixed (Eq. 3,
   lr eta_alpha), then W for E epochs with alpha fixed (Eq. 4, lr eta_W);
@@ -61,7 +61,7 @@ from fedpipe.algorithms.base import (
     federation_phase,
     weighted_average,
 )
-from fedpipe.multibranch import BranchLayout, project_onto_simplex
+from fedpipe.nn.multibranch import BranchLayout, project_onto_simplex
 
 ALPHA = "alpha"  # a client's alpha on the simplex (kept state with `simplex: projection`; always in uploads)
 ALPHA_LOGITS = "alpha_logits"  # a client's kept state with `simplex: softmax`: alpha = softmax(logits)

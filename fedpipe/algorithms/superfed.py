@@ -56,7 +56,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
 )
 from fedpipe.algorithms.regularizers import layer_kind, mixable_layers, proximal_layer_norms, squared_cosine
-from fedpipe.engine.seeding import torch_generator
+from fedpipe.seeding import torch_generator
 
 
 class _SuPerFedFields(MethodParams):

@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 from pydantic import field_validator
 
+from fedpipe.config import Section
 from fedpipe.data import PAD_ID, UNK_ID, DatasetBundle, LabeledArrays, is_text_shape
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
-from fedpipe.schema import Section
 
 # (train, official test or None, class names), as every loader returns them.
 Splits = tuple[LabeledArrays, LabeledArrays | None, tuple[str, ...]]

@@ -47,9 +47,9 @@ from pydantic import (
     model_validator,
 )
 
+from fedpipe.config import Section
 from fedpipe.data import DatasetBundle
 from fedpipe.errors import ConfigError, DataError
-from fedpipe.schema import Section
 
 __all__ = [
     "MANIFEST_FORMAT",

@@ -2,7 +2,7 @@
 algorithm's (pure) stage loss mapped over clients with `torch.func.vmap`, and SGD applied to the
 stack with a mask, so a client that has run out of batches no longer moves.
 
-It computes what `fedpipe.engine.local.train_client` computes for each client, within float
+It computes what `fedpipe.engine.sequential.train_client` computes for each client, within float
 tolerance: the same shuffles and the same per-batch noise (SuPerFed's lam), drawn from each client's
 own generator in the same order; the same mini-batches (the last one of an epoch may be smaller:
 clients are grouped by batch size at each step, so no padding enters a loss); PyTorch's SGD rule
@@ -22,7 +22,7 @@ import torch
 from torch.func import vmap
 
 from fedpipe.algorithms.base import Algorithm, ClientContext, Slots, Stage
-from fedpipe.engine.local import ClientStats, autocast
+from fedpipe.engine.sequential import ClientStats, autocast
 
 
 @dataclass

@@ -11,17 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Slots
-from fedpipe.config import RunConfig
+from fedpipe.data.federated import FederatedData
 from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
-from fedpipe.engine.data import FederatedData
-from fedpipe.engine.local import ClientStats, train_client
-from fedpipe.engine.seeding import torch_generator
+from fedpipe.engine.sequential import ClientStats, train_client
 from fedpipe.errors import FedpipeError
+from fedpipe.seeding import torch_generator
+
+if TYPE_CHECKING:
+    from fedpipe.run.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -218,8 +218,8 @@ def spawn_workers(config_json: str, phase: str, world: int, port: int, threads: 
 
 
 def _worker_main(argv: list[str]) -> None:
-    from fedpipe.config import RunConfig
-    from fedpipe.steps import Run
+    from fedpipe.run.config import RunConfig
+    from fedpipe.run.run import Run
 
     phase, rank, world, port, threads = argv[0], *map(int, argv[1:5])
     cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))

@@ -6,18 +6,21 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedpipe.algorithms.base import Algorithm, Phase, Upload
-from fedpipe.config import RunConfig
+from fedpipe.data.federated import FederatedData
 from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork, payload_bytes
-from fedpipe.engine.data import FederatedData
-from fedpipe.engine.seeding import torch_generator
+from fedpipe.engine.evaluation import evaluate_global, evaluate_personalized
 from fedpipe.engine.state import Checkpoints, PhaseState
 from fedpipe.errors import TrainingError
-from fedpipe.evaluation import evaluate_global, evaluate_personalized
+from fedpipe.seeding import torch_generator
 from fedpipe.telemetry import PhaseEvent, RoundEvent, RunLabels, Telemetry
+
+if TYPE_CHECKING:
+    from fedpipe.run.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,7 @@ from minio.helpers import check_bucket_name
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from fedpipe.errors import CorruptArtifactError, StoreError
-from fedpipe.store import validate_key, validate_prefix
-from fedpipe.store.base import Store, sha256_hex
+from fedpipe.store.base import Store, sha256_hex, validate_key, validate_prefix
 
 __all__ = ["DEFAULT_RETRY_SECONDS", "MAX_ATTEMPTS", "S3Store"]
 

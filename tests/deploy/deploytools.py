@@ -196,10 +196,10 @@ def only(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
 
 def sample_pytorchjob(phase: str = "personalization", *, store: str = "s3://mlpipeline/fedpipe", resources: dict | None = None,
                       **job) -> dict:
-    """A phase's PyTorchJob as the launcher task renders it (fedpipe.pipelines.pytorchjob), for a
+    """A phase's PyTorchJob as the launcher task renders it (fedpipe.k8s.pytorchjob), for a
     superfed_mm run in Kubeflow's MinIO with its credentials Secret."""
-    from fedpipe.config import load_config
-    from fedpipe.pipelines.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+    from fedpipe.k8s.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+    from fedpipe.run.config import load_config
 
     cfg = load_config(None, ["method.name=superfed_mm", f"run.store={store}", "run.id=superfed-mm-test-0a1b2c3d-job42"])
     return phase_job_manifest(

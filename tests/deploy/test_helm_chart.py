@@ -9,8 +9,8 @@ import pytest
 import yaml
 from deploytools import ALL_ON, CHART, DASHBOARD_JSON, NAMESPACE, RELEASE, containers, only, run_tool
 
-from fedpipe.config import load_config
 from fedpipe.pipelines.builder import LAUNCHER_COMPONENT, POD_LABEL, RESOURCE_PARAMETERS
+from fedpipe.run.config import load_config
 
 # A cluster that serves the Prometheus Operator's ServiceMonitor API (kube-prometheus-stack installed).
 OPERATOR = ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]

@@ -7,7 +7,7 @@ import json
 import yaml
 from deploytools import DASHBOARD_JSON, MANIFESTS, NAMESPACE, find_tool, only, parse_docs, run_tool
 
-from fedpipe.config import load_config
+from fedpipe.run.config import load_config
 
 SERVICES_HINT = "run scripts/test-services.sh (it installs Prometheus, which ships promtool) and try again"
 

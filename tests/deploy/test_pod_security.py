@@ -26,7 +26,7 @@ def workloads(request, render_chart, build_kustomization, kustomize_overlay) -> 
         ),
         "kustomize-base": lambda: build_kustomization(MANIFESTS),
         "kustomize-overlay": lambda: build_kustomization(kustomize_overlay),
-        # A phase's PyTorchJob, as the pipeline's launcher task renders it (fedpipe.pipelines.pytorchjob).
+        # A phase's PyTorchJob, as the pipeline's launcher task renders it (fedpipe.k8s.pytorchjob).
         "pytorchjob-cpu": lambda: [sample_pytorchjob()],
         "pytorchjob-gpu": lambda: [sample_pytorchjob(nodes=4, processes_per_node=2, gpus_per_process=1)],
     }[request.param]()

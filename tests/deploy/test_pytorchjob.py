@@ -26,10 +26,10 @@ from deploytools import (
     write_overlay,
 )
 
-from fedpipe.config import load_config
+from fedpipe.k8s.launcher import RBAC_RULES
+from fedpipe.k8s.pytorchjob import CONFIG_ANNOTATION, CONFIG_PATH, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, labels
 from fedpipe.pipelines.builder import LAUNCHER_COMPONENT
-from fedpipe.pipelines.launcher import RBAC_RULES
-from fedpipe.pipelines.pytorchjob import CONFIG_ANNOTATION, CONFIG_PATH, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, labels
+from fedpipe.run.config import load_config
 
 SHAPES = {
     "cpu-2-nodes": {},
@@ -147,7 +147,7 @@ def test_job_names_fit_the_operators_service_names():
     job = sample_pytorchjob(phase="personalization")
     name = job["metadata"]["name"]
     assert name.startswith("fedpipe-personalization-") and len(name) <= 49
-    from fedpipe.pipelines.pytorchjob import phase_job_name
+    from fedpipe.k8s.pytorchjob import phase_job_name
 
     long_name = phase_job_name("x" * 200, long_phase)
     assert len(long_name) <= 49 and long_name[0].isalpha() and not long_name.endswith("-")
@@ -265,7 +265,7 @@ def test_the_pods_command_runs_under_torchrun(tmp_path):
     from runs import SMALL
     from services import free_port
 
-    from fedpipe.pipelines.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+    from fedpipe.k8s.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
 
     store = tmp_path / "store"
     cfg = load_config(None, [*SMALL, "method.name=fedavg", "train.rounds=1", "partition.num_clients=4", f"run.store={store}",

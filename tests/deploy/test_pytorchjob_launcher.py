@@ -18,7 +18,8 @@ import pytest
 from deploytools import pytorchjob_problems, sample_pytorchjob
 from k8s_api_standin import KubernetesApiStandIn, failed, pod, running, succeeded
 
-from fedpipe.pipelines.launcher import RBAC_RULES, PhaseJobError, PhaseJobLauncher, PhaseJobTimeout
+from fedpipe.components import bodies
+from fedpipe.k8s.launcher import RBAC_RULES, PhaseJobError, PhaseJobLauncher, PhaseJobTimeout
 
 NAMESPACE = "team-a"
 FAST = 0.02  # seconds between polls
@@ -210,12 +211,11 @@ def resolved_config(tmp_path, store: str) -> tuple:
     """The run config as the pipeline's config task writes it (run.id = config id + KFP job id)."""
     from runs import SMALL
 
-    from fedpipe import tasks
-    from fedpipe.config import load_config
+    from fedpipe.run.config import load_config
 
     base = load_config(None, [*SMALL, "method.name=superfed_mm", f"run.store={store}"]).to_yaml()
     path = tmp_path / "config.yaml"
-    cfg = tasks.resolve_config(base, {}, {}, [], "job-7f3a", str(path))
+    cfg = bodies.resolve_config(base, {}, {}, [], "job-7f3a", str(path))
     return cfg, path
 
 
@@ -232,14 +232,13 @@ def test_the_launcher_task_runs_the_phase_through_the_store(k8s, s3_env, s3_cred
     job, wait, copy the phase's state (written by the job's rank 0, here by the stand-in) out."""
     import uuid
 
-    from fedpipe import tasks
-    from fedpipe.pipelines.pytorchjob import CONFIG_ANNOTATION, phase_job_name
+    from fedpipe.k8s.pytorchjob import CONFIG_ANNOTATION, phase_job_name
     from fedpipe.store import open_store
 
     cfg, config = resolved_config(tmp_path, f"s3://fedpipe-k8s-{uuid.uuid4().hex[:10]}/runs")
     run_id = cfg.run_id()
     manifest, previous, state = tmp_path / "manifest.json", tmp_path / "previous.pt", tmp_path / "state.pt"
-    tasks.partition(str(config), str(manifest), str(tmp_path / "heatmap.html"))
+    bodies.partition(str(config), str(manifest), str(tmp_path / "heatmap.html"))
     previous.write_bytes(b"federation's final state")
     store = open_store(cfg.run.store)
     rounds = [{"round": 1, "train_loss": 0.9}, {"round": 2, "train_loss": 0.5, "personalized_accuracy": 0.8}]
@@ -251,7 +250,7 @@ def test_the_launcher_task_runs_the_phase_through_the_store(k8s, s3_env, s3_cred
     k8s.on_create = rank_zero_writes_the_store
     name = phase_job_name(run_id, "personalization")
     k8s.script(name, [running(), succeeded()])
-    last = tasks.launch_phase_job(str(config), "personalization", str(manifest), str(previous), str(state), job=JOB_SETTINGS,
+    last = bodies.launch_phase_job(str(config), "personalization", str(manifest), str(previous), str(state), job=JOB_SETTINGS,
                                   image="ghcr.io/fedpipe/fedpipe:0.1.0-cuda", resources=RESOURCES, poll_seconds=FAST,
                                   storage={"s3_endpoint": s3_env, "s3_secret": "team-s3", "s3_secret_keys": ["ak", "sk"],
                                            "pushgateway": "", "extra_env": {}})
@@ -274,11 +273,10 @@ def test_the_launcher_task_runs_the_phase_through_the_store(k8s, s3_env, s3_cred
 
 
 def test_the_launcher_task_refuses_a_store_the_pods_cannot_share(k8s, tmp_path):
-    from fedpipe import tasks
     from fedpipe.errors import ConfigError
 
     _, config = resolved_config(tmp_path, str(tmp_path / "runs"))
     with pytest.raises(ConfigError, match="a folder only this pod sees"):
-        tasks.launch_phase_job(str(config), "personalization", "unused", None, str(tmp_path / "state.pt"), job=JOB_SETTINGS,
+        bodies.launch_phase_job(str(config), "personalization", "unused", None, str(tmp_path / "state.pt"), job=JOB_SETTINGS,
                                image="img", resources=RESOURCES, storage={"s3_endpoint": "http://x", "s3_secret": "s"})
     assert not k8s.requests(), "nothing may be created for a run the pods cannot reach"

@@ -59,7 +59,7 @@ def test_killed_phase_resumes_to_the_same_weights(tmp_path):
 
 KILLED_WHILE_REPLACING = """
 import os, signal, sys
-import fedpipe.store.local as local
+import fedpipe.store.folder as local
 store = local.LocalStore(sys.argv[1])
 store.put("run/rounds.jsonl", b"round 1\\n")
 real = local._write_temp

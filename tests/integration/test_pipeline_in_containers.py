@@ -54,7 +54,7 @@ def _compile(tmp_path, image: str, s3_endpoint: str, pushgateway: str):
 
 
 def _config(run_id: str) -> str:
-    from fedpipe.config import load_config
+    from fedpipe.run.config import load_config
 
     return load_config(None, [*TINY, f"run.store=s3://{BUCKET}/runs", f"run.id={run_id}"]).to_yaml()
 

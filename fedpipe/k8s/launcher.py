@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedpipe.errors import TrainingError
-from fedpipe.pipelines.pytorchjob import API_GROUP, API_VERSION, PLURAL, RUN_ID_ANNOTATION
+from fedpipe.k8s.pytorchjob import API_GROUP, API_VERSION, PLURAL, RUN_ID_ANNOTATION
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from fedpipe.algorithms.base import Algorithm, Params, ServerState
-from fedpipe.engine.data import FederatedData, Split
+from fedpipe.data.federated import FederatedData, Split
 
 
 @dataclass(frozen=True)

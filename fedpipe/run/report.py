@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 from fedpipe import plots
 from fedpipe.algorithms.base import Algorithm, Phase
-from fedpipe.engine.data import FederatedData
+from fedpipe.data.federated import FederatedData
+from fedpipe.engine.evaluation import PersonalizedResult, Scores, evaluate_global, evaluate_personalized
 from fedpipe.engine.state import PhaseState
-from fedpipe.evaluation import PersonalizedResult, Scores, evaluate_global, evaluate_personalized
 from fedpipe.telemetry.jsonl import read_rounds
 
 if TYPE_CHECKING:
-    from fedpipe.steps import Run
+    from fedpipe.run.run import Run
 
 
 def write_report(run: Run, algorithm: Algorithm, state: PhaseState, data: FederatedData, phases: list[Phase]) -> dict:

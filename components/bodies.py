@@ -1,7 +1,7 @@
 """The pipeline tasks' work, in terms of artifact files: what each Kubeflow component calls.
 
 A task reads its input artifacts (files KFP hands it), brings them into the run's store when the
-store lacks them, runs the library step (`fedpipe.steps.Run`), and copies the step's outputs into
+store lacks them, runs the library step (`fedpipe.run.run.Run`), and copies the step's outputs into
 its output artifact files. The store (a folder, or MinIO on a cluster) keeps the per-round
 checkpoints, so a task that is retried resumes where its last attempt stopped.
 """
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import yaml
 
-from fedpipe.config import RunConfig, apply_override, load_config
+from fedpipe.config import apply_override
 from fedpipe.errors import ConfigError, CorruptArtifactError
-from fedpipe.report import render_html, summary_lines
+from fedpipe.run.config import RunConfig, load_config
+from fedpipe.run.report import render_html, summary_lines
+from fedpipe.run.run import Run
 from fedpipe.safe_load import parse_yaml
-from fedpipe.steps import Run
 from fedpipe.store.base import sha256_hex
 from fedpipe.telemetry.progress import log_to_stderr
 
@@ -150,8 +151,8 @@ def launch_phase_job(config_path: str, phase: str, manifest_path: str, previous_
 
     `job`: the PhaseJob fields; `resources`: the PodResources fields (the pipeline's training-task
     parameters); `storage`: the StorageAccess fields (endpoint, Secret name and keys, Pushgateway)."""
-    from fedpipe.pipelines.launcher import PhaseJobLauncher
-    from fedpipe.pipelines.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+    from fedpipe.k8s.launcher import PhaseJobLauncher
+    from fedpipe.k8s.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
 
     settings = PhaseJob.from_dict(job)
     store = load_config(config_path).run.store
@@ -194,7 +195,7 @@ def evaluate(config_path: str, manifest_path: str, state_path: str, html_path: s
 def compare(config_path: str, run_ids: list[str], markdown_path: str, json_path: str) -> str:
     """The benchmark's comparison table (the papers' tables' shape) from the runs' summaries in the store.
     (Run ids travel between the tasks, not the summaries: kfp's local runner breaks a list of JSON strings.)"""
-    from fedpipe.report import comparison_table
+    from fedpipe.run.report import comparison_table
 
     run = _prepare(config_path)
     rows = [json.loads(run.store.get_text(f"{run_id}/report/summary.json")) for run_id in run_ids]

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from kfp import components, local
 
-from fedpipe.config import RunConfig
 from fedpipe.errors import FedpipeError
 from fedpipe.pipelines.builder import SHIPPED
+from fedpipe.run.config import RunConfig
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 USER_ERROR = re.compile(r"fedpipe\.errors\.\w+: (.*)")

@@ -26,8 +26,7 @@ import secrets
 from pathlib import Path
 
 from fedpipe.errors import CorruptArtifactError, StoreError
-from fedpipe.store import SIDECAR_DIR, TEMP_PREFIX, validate_key, validate_prefix
-from fedpipe.store.base import Store, sha256_hex
+from fedpipe.store.base import SIDECAR_DIR, TEMP_PREFIX, Store, sha256_hex, validate_key, validate_prefix
 
 __all__ = ["LocalStore"]
 

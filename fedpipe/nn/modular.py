@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedpipe.engine.seeding import derive_seed
+from fedpipe.seeding import derive_seed
 
 EncoderKind = Literal["cnn", "mlp"]
 

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedpipe.engine.seeding import derive_seed
-from fedpipe.models import names_under
+from fedpipe.nn.networks import names_under
+from fedpipe.seeding import derive_seed
 
 Params = dict[str, torch.Tensor]
 BRANCHABLE = (nn.Conv2d, nn.Linear)  # the paper's "linear layers": convolutional and fully connected

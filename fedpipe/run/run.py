@@ -20,25 +20,25 @@ from pydantic import ValidationError
 
 from fedpipe.algorithms import Algorithm, build_algorithm, phases_of
 from fedpipe.algorithms.base import Phase, ServerState
-from fedpipe.config import RunConfig
 from fedpipe.data import DatasetBundle
 from fedpipe.data.datasets import load_dataset
+from fedpipe.data.federated import prepare_data
 from fedpipe.data.partition import Partition, make_partition
 from fedpipe.engine import distributed
 from fedpipe.engine.clients import ClientTrainer
-from fedpipe.engine.data import prepare_data
 from fedpipe.engine.distributed import DistributedRound, launched_by_torchrun
 from fedpipe.engine.rounds import run_phase
-from fedpipe.engine.seeding import derive_seed
 from fedpipe.engine.state import Checkpoints, PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError, StoreError
-from fedpipe.models import build_model
+from fedpipe.nn.networks import build_model
+from fedpipe.run.config import RunConfig
+from fedpipe.run.verify import manifest_key, write_run_manifest
 from fedpipe.safe_load import MAX_RECORD_BYTES, manifest_byte_limit, read_store_json
+from fedpipe.seeding import derive_seed
 from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
 from fedpipe.telemetry.jsonl import JsonlSink
 from fedpipe.telemetry.progress import ProgressSink
-from fedpipe.verify import manifest_key, write_run_manifest
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class Run:
     # --- step 3: evaluate -------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Evaluate the last phase's state and write the report; returns the summary."""
-        from fedpipe.report import write_report
+        from fedpipe.run.report import write_report
 
         self.check_record(create=False)
         phases = self.phases()

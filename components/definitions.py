@@ -1,6 +1,6 @@
 """The Kubeflow Pipelines v2 components of a fedpipe run.
 
-Each is a lightweight Python component whose body only calls `fedpipe.tasks` inside the project
+Each is a lightweight Python component whose body only calls `fedpipe.components.bodies` inside the project
 image, so the same library runs here, in the CLI and in the tests. `build(image)` binds them to an
 image; `compile_components` writes their specs to components/*.yaml for reuse in other pipelines.
 """
@@ -15,25 +15,25 @@ from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Ou
 
 def resolve_config(base_config: str, fields: dict, defaults: dict, overrides: list, method: str, job_id: str, config: Output[Artifact]):
     """Validate the run's config (base YAML, changed fields, KEY=VALUE overrides) before anything runs."""
-    from fedpipe import tasks
+    from fedpipe.components import bodies
 
-    cfg = tasks.resolve_config(base_config, fields, defaults, overrides, job_id, config.path, method=method or None)
+    cfg = bodies.resolve_config(base_config, fields, defaults, overrides, job_id, config.path, method=method or None)
     config.metadata.update({"run_id": cfg.run_id(), "method": cfg.method.name, "dataset": cfg.data.dataset})
 
 
 def partition(config: Input[Artifact], manifest: Output[Dataset], heatmap: Output[HTML]):
     """Split the dataset over clients: the manifest (client -> sample indices) and a label heatmap."""
-    from fedpipe import tasks
+    from fedpipe.components import bodies
 
-    manifest.metadata.update(tasks.partition(config.path, manifest.path, heatmap.path))
+    manifest.metadata.update(bodies.partition(config.path, manifest.path, heatmap.path))
 
 
 def train_phase(config: Input[Artifact], phase: str, manifest: Input[Dataset], state: Output[Model], metrics: Output[Metrics],
                 previous: Input[Model] = None):
     """Run one training phase from the previous phase's state; checkpoints go to the run's store."""
-    from fedpipe import tasks
+    from fedpipe.components import bodies
 
-    last = tasks.train_phase(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path)
+    last = bodies.train_phase(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path)
     state.metadata.update({"phase": phase, "round": int(last.get("round", 0))})
     for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
         if last.get(key) is not None:
@@ -46,12 +46,12 @@ def launch_phase_job(config: Input[Artifact], phase: str, manifest: Input[Datase
                      previous: Input[Model] = None):
     """Run one training phase as a Kubeflow Training Operator PyTorchJob (a phase that outgrows one GPU or
     node) and wait for it; same inputs and outputs as train_phase. Its pods get these resources each."""
-    from fedpipe import tasks
+    from fedpipe.components import bodies
 
     resources = {"cpu_request": cpu_request, "cpu_limit": cpu_limit, "memory_request": memory_request,
                  "memory_limit": memory_limit, "accelerator_type": accelerator_type, "node_selector": node_selector,
                  "tolerations": tolerations}
-    last = tasks.launch_phase_job(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path,
+    last = bodies.launch_phase_job(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path,
                                   job=job, image=image, resources=resources, storage=dict(storage, s3_secret=s3_secret))
     state.metadata.update({"phase": phase, "round": int(last.get("round", 0)), "pytorchjob_nodes": int(job["nodes"])})
     for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
@@ -63,9 +63,9 @@ def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Mod
              report: Output[HTML], summary: Output[Markdown]) -> str:
     """Evaluate the final models; the report (with its plots) as HTML, the summary as Markdown.
     Returns the run id (where the store keeps the report)."""
-    from fedpipe import tasks
+    from fedpipe.components import bodies
 
-    result = tasks.evaluate(config.path, manifest.path, state.path, report.path, summary.path)
+    result = bodies.evaluate(config.path, manifest.path, state.path, report.path, summary.path)
     metrics.log_metric("personalized_accuracy", float(result["personalized_accuracy"]["mean"]))
     if result["global_model"] is not None:
         for key in ("top1", "top5", "ece", "loss"):
@@ -75,9 +75,9 @@ def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Mod
 
 def compare(config: Input[Artifact], run_ids: list, table: Output[Markdown], results: Output[Artifact]) -> str:
     """The benchmark's comparison table over methods (same partition, same budget), from the runs' summaries."""
-    from fedpipe import tasks
+    from fedpipe.components import bodies
 
-    return tasks.compare(config.path, run_ids, table.path, results.path)
+    return bodies.compare(config.path, run_ids, table.path, results.path)
 
 
 FUNCTIONS = (resolve_config, partition, train_phase, launch_phase_job, evaluate, compare)

@@ -1,0 +1,124 @@
+"""The run configuration: one typed, validated object, read from YAML and overridable field by field.
+
+    cfg = load_config("examples/superfed_mm_mnist5k.yaml", ["train.rounds=50", "method.nu=2"])
+
+Every section is a frozen pydantic model whose attribute docstrings say what each value means;
+`fedpipe config --explain` prints them. A pipeline parameter sets the same field as `--set`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from fedpipe.algorithms import MethodConfig
+from fedpipe.config import (
+    EngineConfig,
+    EvalConfig,
+    RunSection,
+    Section,
+    TelemetryConfig,
+    TrainConfig,
+    apply_override,
+    format_validation_error,
+)
+from fedpipe.data.datasets import DATASETS, DataConfig
+from fedpipe.data.partition import PartitionConfig
+from fedpipe.errors import ConfigError
+from fedpipe.nn.networks import MODELS
+from fedpipe.safe_load import load_yaml_file
+
+
+class ModelConfig(Section):
+    """The network every client trains."""
+
+    name: str = "auto"
+    """Network: twonn, superfed_cnn, lenet5, mcmahan_cnn; auto picks superfed_cnn for images of 28 pixels
+    or more, else twonn."""
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v != "auto" and v not in MODELS:
+            raise ValueError(f"unknown model {v!r}; choose one of: auto, {', '.join(MODELS)}")
+        return v
+
+
+class RunConfig(Section):
+    """A whole run: what to train, on which data, how, and where its artifacts go."""
+
+    run: RunSection = RunSection()
+    data: DataConfig = DataConfig()
+    partition: PartitionConfig = Field(default_factory=lambda: _validate_partition(DEFAULT_PARTITION))
+    model: ModelConfig = ModelConfig()
+    method: MethodConfig = Field(default_factory=lambda: _validate_method(DEFAULT_METHOD))
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    engine: EngineConfig = EngineConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_choices(cls, data: Any) -> Any:
+        # `--set partition.num_clients=50` alone must keep the default scheme, not ask for one
+        if isinstance(data, dict):
+            for key, default in (("partition", DEFAULT_PARTITION), ("method", DEFAULT_METHOD)):
+                section = data.get(key)
+                tag = next(iter(default))
+                if isinstance(section, dict) and tag not in section:
+                    data = {**data, key: {tag: default[tag], **section}}
+        return data
+
+    def model_name(self) -> str:
+        if self.model.name != "auto":
+            return self.model.name
+        side = min(DATASETS[self.data.dataset].input_shape[1:])
+        return "superfed_cnn" if side >= 28 else "twonn"
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes results (not where they go or how progress is shown)."""
+        d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"}})
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+    def run_id(self) -> str:
+        if self.run.id:
+            return self.run.id
+        return f"{self.method.name}-{self.data.dataset}-{self.partition.scheme}-s{self.run.seed}-{self.fingerprint()[:8]}"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
+DEFAULT_METHOD = {"name": "superfed_mm"}
+
+
+def _validate_partition(d: dict) -> Any:
+    return TypeAdapter(PartitionConfig).validate_python(d)
+
+
+def _validate_method(d: dict) -> Any:
+    return TypeAdapter(MethodConfig).validate_python(d)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (None: all defaults), apply `--set` overrides, validate. Raises ConfigError."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file {p} does not exist. Pass a YAML file (see examples/) or leave --config out for the defaults.")
+        tree = load_yaml_file(p) or {}  # size, encoding, nesting and alias expansion bounded
+        if not isinstance(tree, dict):
+            raise ConfigError(f"Config file {p} must hold a mapping of sections (run, data, partition, ...), not a {type(tree).__name__}.")
+    for assignment in overrides or []:
+        apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
