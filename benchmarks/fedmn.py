@@ -56,7 +56,7 @@ def one_run(method: str, seed: int, overrides: list[str], finetune_epochs: int, 
     t0 = time.perf_counter()
     summary = run.run_all()
     seconds = time.perf_counter() - t0
-    rows = [json.loads(line) for line in run.store.get_text(run.paths.rounds("federation")).splitlines()]
+    rows = [json.loads(line) for line in run.store.get_text(run.layout.rounds("federation")).splitlines()]
     transforms = {str(c.id): c.transform or "none" for c in run.load_partition().clients}
     algorithm, _ = run.build_algorithm()
     pool_bytes = sum(t.numel() * t.element_size() for t in getattr(algorithm, "inner", algorithm).initial.values()) \

@@ -17,6 +17,7 @@ import yaml
 from fedpipe.config import apply_override
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.run.config import RunConfig, load_config
+from fedpipe.run.layout import RunLayout
 from fedpipe.run.report import render_html, summary_lines
 from fedpipe.run.run import Run
 from fedpipe.safe_load import parse_yaml
@@ -101,16 +102,16 @@ def _prepare(config_path: str, manifest_path: str | None = None) -> Run:
     run = Run(load_config(config_path))
     if manifest_path is not None:
         run.check_record(create=True)
-        _bring_in(run, run.paths.manifest, manifest_path)
+        _bring_in(run, run.layout.partition_manifest, manifest_path)
     return run
 
 
 def partition(config_path: str, manifest_path: str, heatmap_path: str) -> dict:
     run = _prepare(config_path)
     p = run.partition()
-    _copy_out(run, run.paths.manifest, manifest_path)
-    png = run.store.get(run.paths.report("partition_heatmap.png"))
-    Path(heatmap_path).write_text(render_html(f"Partition of {run.paths.run_id}", [], {"partition_heatmap.png": png}))
+    _copy_out(run, run.layout.partition_manifest, manifest_path)
+    png = run.store.get(run.layout.report("partition_heatmap.png"))
+    Path(heatmap_path).write_text(render_html(f"Partition of {run.layout.run_id}", [], {"partition_heatmap.png": png}))
     sizes = [c.size for c in p.clients]
     return {"clients": len(sizes), "min_client_size": min(sizes), "max_client_size": max(sizes)}
 
@@ -125,14 +126,14 @@ def _phase_inputs(config_path: str, phase: str, manifest_path: str, previous_pat
     if index > 0:
         if previous_path is None:
             raise ConfigError(f"phase {phase!r} needs the state of phase {names[index - 1]!r} as its input.")
-        _bring_in(run, f"{run.paths.run_id}/phases/{names[index - 1]}/final.pt", previous_path)
+        _bring_in(run, run.layout.phase(names[index - 1]).final, previous_path)
     return run
 
 
 def _phase_outputs(run: Run, phase: str, state_path: str) -> dict:
     """Copy the phase's final state out; the metrics of its last round (empty when it has no rounds)."""
-    _copy_out(run, f"{run.paths.run_id}/phases/{phase}/final.pt", state_path)
-    rows = [json.loads(line) for line in _text_or_empty(run, run.paths.rounds(phase)).splitlines() if line.strip()]
+    _copy_out(run, run.layout.phase(phase).final, state_path)
+    rows = [json.loads(line) for line in _text_or_empty(run, run.layout.rounds(phase)).splitlines() if line.strip()]
     return rows[-1] if rows else {}
 
 
@@ -163,10 +164,10 @@ def launch_phase_job(config_path: str, phase: str, manifest_path: str, previous_
         )
     run = _phase_inputs(config_path, phase, manifest_path, previous_path)
     storage = dict(storage, s3_secret_keys=tuple(storage.get("s3_secret_keys", ("accesskey", "secretkey"))))
-    pinned = run.cfg.model_copy(update={"run": run.cfg.run.model_copy(update={"id": run.paths.run_id})})  # every pod, one run folder
+    pinned = run.cfg.model_copy(update={"run": run.cfg.run.model_copy(update={"id": run.layout.run_id})})  # every pod, one run folder
     launcher = PhaseJobLauncher(poll_seconds=poll_seconds)
     manifest = phase_job_manifest(
-        run_id=run.paths.run_id, phase=phase, config_yaml=pinned.to_yaml(), namespace=launcher.namespace,
+        run_id=run.layout.run_id, phase=phase, config_yaml=pinned.to_yaml(), namespace=launcher.namespace,
         image=image, job=settings, resources=PodResources(**resources), storage=StorageAccess(**storage),
     )
     launcher.run(manifest, wait_seconds=settings.timeout_seconds + 60, cleanup=settings.cleanup)
@@ -180,15 +181,15 @@ def _text_or_empty(run: Run, key: str) -> str:
 def evaluate(config_path: str, manifest_path: str, state_path: str, html_path: str, markdown_path: str) -> dict:
     run = _prepare(config_path, manifest_path)
     last = run.phases()[-1].name
-    _bring_in(run, f"{run.paths.run_id}/phases/{last}/final.pt", state_path)
+    _bring_in(run, run.layout.phase(last).final, state_path)
     summary = run.evaluate()
     images = {
-        name: run.store.get(run.paths.report(name))
+        name: run.store.get(run.layout.report(name))
         for name in ("accuracy.png", "lam_curve.png", "partition_heatmap.png")
-        if run.store.exists(run.paths.report(name))
+        if run.store.exists(run.layout.report(name))
     }
     Path(html_path).write_text(render_html(summary["title"], summary_lines(summary), images))
-    Path(markdown_path).write_text(run.store.get_text(run.paths.report("report.md")))
+    Path(markdown_path).write_text(run.store.get_text(run.layout.report("report.md")))
     return summary
 
 
@@ -198,7 +199,7 @@ def compare(config_path: str, run_ids: list[str], markdown_path: str, json_path:
     from fedpipe.run.report import comparison_table
 
     run = _prepare(config_path)
-    rows = [json.loads(run.store.get_text(f"{run_id}/report/summary.json")) for run_id in run_ids]
+    rows = [json.loads(run.store.get_text(RunLayout(run_id).report("summary.json"))) for run_id in run_ids]
     table = comparison_table(rows)
     Path(markdown_path).write_text(table + "\n")
     Path(json_path).write_text(json.dumps(rows, indent=2))

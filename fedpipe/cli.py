@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -96,8 +97,8 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
         return
     typer.echo(f"Running pipeline {cfg.method.name} ({', '.join(p.name for p in r.phases())}) locally; task artifacts in {root}", err=True)
     folder = run_method_locally(cfg, root, verbose)
-    summary = json.loads(r.store.get_text(r.paths.report("summary.json")))
-    summary["report"] = r.store.url(r.paths.report_dir)
+    summary = json.loads(r.store.get_text(r.layout.report("summary.json")))
+    summary["report"] = r.store.url(r.layout.report_dir)
     _print_summary(summary)
     typer.echo(f"  report as HTML         {folder / 'evaluate' / 'report'} (the pipeline's artifact)")
 
@@ -111,7 +112,7 @@ def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = N
     r = Run(_load(config, set, run_id))
     p = r.partition()
     sizes = [len(c.train) + len(c.val) + len(c.test) for c in p.clients]
-    typer.echo(f"{len(p.clients)} clients, {min(sizes)}-{max(sizes)} samples each; manifest: {r.store.url(r.paths.manifest)}")
+    typer.echo(f"{len(p.clients)} clients, {min(sizes)}-{max(sizes)} samples each; manifest: {r.store.url(r.layout.partition_manifest)}")
 
 
 @app.command()
@@ -125,7 +126,7 @@ def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to
     state = r.train(phase)
     if state is None:  # a rank > 0 of a distributed phase: rank 0 reports
         return
-    typer.echo(f"phase {phase} finished at round {state.round}; state: {r.store.url(f'{r.paths.run_id}/phases/{phase}/final.pt')}")
+    typer.echo(f"phase {phase} finished at round {state.round}; state: {r.store.url(r.layout.phase(phase).final)}")
 
 
 @app.command()
@@ -228,23 +229,52 @@ JobCleanupOpt = Annotated[Optional[str], typer.Option("--job-cleanup", help="Wit
 JobTimeoutOpt = Annotated[Optional[int], typer.Option("--job-timeout", min=1, help="With --distributed-phase: seconds the PyTorchJob may run (default 86400).")]
 
 
-def _distributed(phase, nodes, processes, gpus, cleanup, timeout) -> tuple:
+# The deployment flags of compile, register, submit and schedule, each declared once: `_deploy_flags`
+# appends them to a command's parameters and hands the command their values as one dict, `deploy`.
+DEPLOY_OPTIONS = {
+    "image_repository": ImageRepositoryOpt, "image_tag": ImageTagOpt, "training_image_tag": TrainingImageTagOpt,
+    "accelerator_count": AcceleratorCountOpt, "accelerator_type": AcceleratorTypeOpt, "resource": ResourceOpt,
+    "store": StoreOpt, "s3_endpoint": S3EndpointOpt, "s3_secret": S3SecretOpt, "pushgateway": PushgatewayOpt,
+    "distributed_phase": DistributedPhaseOpt, "nodes": NodesOpt, "processes_per_node": ProcessesOpt,
+    "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt,
+}
+DEPLOY_FLAGS = tuple(DEPLOY_OPTIONS)
+
+
+def _deploy_flags(fn):
+    """Give a cluster command the flags of DEPLOY_OPTIONS (after its own, all defaulting to None);
+    the command takes them as `deploy`, a dict of their values by parameter name."""
+    signature = inspect.signature(fn, eval_str=True)
+    own = [param for name, param in signature.parameters.items() if name != "deploy"]
+    flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=alias)
+             for name, alias in DEPLOY_OPTIONS.items()]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        deploy = {name: kwargs.pop(name, None) for name in DEPLOY_FLAGS}
+        return fn(*args, deploy=deploy, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*own, *flags])
+    return wrapper
+
+
+def _distributed(deploy: dict) -> tuple:
     """The PyTorchJob settings of --distributed-phase (none without it)."""
     from fedpipe.k8s.pytorchjob import PhaseJob
 
-    given = {("nodes", "--nodes"): nodes, ("processes_per_node", "--processes-per-node"): processes,
-             ("gpus_per_process", "--gpus-per-process"): gpus, ("cleanup", "--job-cleanup"): cleanup,
-             ("timeout_seconds", "--job-timeout"): timeout}
+    given = {("nodes", "--nodes"): deploy.get("nodes"), ("processes_per_node", "--processes-per-node"): deploy.get("processes_per_node"),
+             ("gpus_per_process", "--gpus-per-process"): deploy.get("gpus_per_process"),
+             ("cleanup", "--job-cleanup"): deploy.get("job_cleanup"), ("timeout_seconds", "--job-timeout"): deploy.get("job_timeout")}
     given = {key: value for key, value in given.items() if value is not None}
-    if phase is None:
+    if deploy.get("distributed_phase") is None:
         if given:
             raise FedpipeError(f"{', '.join(flag for _, flag in given)} only apply with --distributed-phase PHASE.")
         return ()
-    return (PhaseJob(phase=phase, **{field: value for (field, _), value in given.items()}),)
+    return (PhaseJob(phase=deploy["distributed_phase"], **{field: value for (field, _), value in given.items()}),)
 
 
 def _options(deploy: dict, distributed: tuple = ()):
-    """DeployOptions from the deployment flags every cluster command shares (see DEPLOY_FLAGS)."""
+    """DeployOptions from the deployment flags every cluster command shares (see DEPLOY_OPTIONS)."""
     from fedpipe.pipelines.builder import DeployOptions
 
     resources = {}
@@ -261,15 +291,6 @@ def _options(deploy: dict, distributed: tuple = ()):
     return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
 
 
-# The deployment flags of compile, register, submit and schedule (their parameters of the same names).
-DEPLOY_FLAGS = ("image_repository", "image_tag", "training_image_tag", "accelerator_count", "accelerator_type", "resource",
-                "store", "s3_endpoint", "s3_secret", "pushgateway")
-
-
-def _deploy(values: dict) -> dict:
-    return {key: values[key] for key in DEPLOY_FLAGS}
-
-
 def _pipeline(cfg, options, benchmark: Optional[list[str]]):
     from fedpipe.pipelines.builder import benchmark_pipeline, method_pipeline
 
@@ -281,15 +302,11 @@ BenchmarkOpt = Annotated[Optional[list[str]], typer.Option("--benchmark", help="
 
 @app.command("compile")
 @_guarded
+@_deploy_flags
 def compile_(config: ConfigOpt = None, set: SetOpt = None,
              out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where to write the pipeline YAML.")] = None,
              all_: Annotated[bool, typer.Option("--all", help="Regenerate the shipped pipelines/*.yaml and components/*.yaml (release defaults, environment ignored).")] = False,
-             benchmark: BenchmarkOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
-             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
-             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
-             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None,
-             nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None, gpus_per_process: GpusOpt = None,
-             job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
+             benchmark: BenchmarkOpt = None, *, deploy: dict):
     """Compile the method's pipeline (one task per phase) to Kubeflow Pipelines v2 YAML."""
     from fedpipe.components.definitions import compile_components
     from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, shipped_pipelines
@@ -305,8 +322,7 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
         return
     cfg = _load(config, set)
     target = out or Path(f"{cfg.method.name if not benchmark else 'benchmark'}.yaml")
-    distributed = _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout)
-    options = _options(_deploy(locals()), distributed)
+    options = _options(deploy, _distributed(deploy))
     typer.echo(compile_pipeline(_pipeline(cfg, options, benchmark), target))
 
 
@@ -319,27 +335,25 @@ NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow 
 ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]
 
 
-def _cluster_pipeline(config, set, method, deploy: dict, distributed: tuple = ()):
+def _cluster_pipeline(config, set, method, deploy: dict):
     from fedpipe.pipelines.builder import method_pipeline
 
+    distributed = _distributed(deploy)  # a misused --distributed-phase flag fails before the config is read
     cfg = _load(config, [*(set or []), *([f"method.name={method}"] if method else [])])
     return cfg, method_pipeline(cfg, _options(deploy, distributed))
 
 
 @app.command()
 @_guarded
+@_deploy_flags
 def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
-             namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None, image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
-             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
-             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
-             s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
-             gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
+             namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None, *, deploy: dict):
     """Upload the method's pipeline (compiled from the config) to Kubeflow, as a new pipeline or a new version."""
     from fedpipe.pipelines.builder import pipeline_name
     from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import register as do_register
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
+    cfg, pipeline = _cluster_pipeline(config, set, method, deploy)
     name = name or pipeline_name(cfg.method.name)
     done = do_register(connect(host, namespace, token, token_file), pipeline, name, description=f"fedpipe {cfg.method.name}")
     typer.echo(f"pipeline {name}: version {done.version} (pipeline id {done.pipeline_id}, version id {done.version_id})")
@@ -347,34 +361,26 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
 
 @app.command()
 @_guarded
+@_deploy_flags
 def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None,
            experiment: ExperimentOpt = "fedpipe", run_name: Annotated[Optional[str], typer.Option(help="Name of the run in the Kubeflow UI.")] = None,
-           namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None,
-           image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
-             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
-             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None, s3_endpoint: S3EndpointOpt = None,
-           s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None, distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
-             gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
+           namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None, *, deploy: dict):
     """Start one run of the method's pipeline on a Kubeflow cluster (the config becomes its defaults)."""
     from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import submit as do_submit
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
+    cfg, pipeline = _cluster_pipeline(config, set, method, deploy)
     run_id = do_submit(connect(host, namespace, token, token_file), pipeline, experiment, run_name or cfg.run_id(), namespace)
     typer.echo(f"submitted run {run_id} of {cfg.method.name} to experiment {experiment!r}")
 
 
 @app.command()
 @_guarded
+@_deploy_flags
 def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron syntax in UTC, e.g. '0 3 * * *' (daily at 03:00).")],
              host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, method: MethodOpt = None, name: NameOpt = None,
              experiment: ExperimentOpt = "fedpipe", namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None,
-             image_repository: ImageRepositoryOpt = None, image_tag: ImageTagOpt = None,
-             training_image_tag: TrainingImageTagOpt = None, accelerator_count: AcceleratorCountOpt = None,
-             accelerator_type: AcceleratorTypeOpt = None, resource: ResourceOpt = None, store: StoreOpt = None,
-             s3_endpoint: S3EndpointOpt = None, s3_secret: S3SecretOpt = None, pushgateway: PushgatewayOpt = None,
-             distributed_phase: DistributedPhaseOpt = None, nodes: NodesOpt = None, processes_per_node: ProcessesOpt = None,
-             gpus_per_process: GpusOpt = None, job_cleanup: JobCleanupOpt = None, job_timeout: JobTimeoutOpt = None):
+             *, deploy: dict):
     """Register the pipeline and create (or replace) a recurring run of it: scheduled retraining.
     Each scheduled run trains anew in its own run folder; missed times are not caught up."""
     from fedpipe.pipelines.builder import pipeline_name
@@ -383,7 +389,7 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
     from fedpipe.pipelines.client import schedule as do_schedule
 
     kfp_cron(cron)  # a bad expression fails before anything is registered
-    cfg, pipeline = _cluster_pipeline(config, set, method, _deploy(locals()), _distributed(distributed_phase, nodes, processes_per_node, gpus_per_process, job_cleanup, job_timeout))
+    cfg, pipeline = _cluster_pipeline(config, set, method, deploy)
     name = name or pipeline_name(cfg.method.name)
     client = connect(host, namespace, token, token_file)
     registered = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")

@@ -49,57 +49,12 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
     else:
         ax = fig.add_subplot(1, 1, 1)
 
-    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, origin="upper")
-    fig.colorbar(image, ax=ax, label="samples", fraction=0.04, pad=0.01)
-    ax.set_xlabel("class")
-    if c <= _TICK_EVERY_ROW_MAX:
-        ax.set_xticks(np.arange(c))
-        ax.tick_params(axis="x", labelsize=7 if c > 20 else 9)
-    else:
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
-
-    if k <= _TICK_EVERY_ROW_MAX:
-        rows = np.arange(k)
-        ax.set_yticks(rows)
-        ax.set_yticklabels([str(cl.id) for cl in partition.clients], fontsize=7 if k > 20 else 9)
-        for tick, out in zip(ax.get_yticklabels(), opt_out, strict=True):
-            if out:
-                tick.set_color("tab:red")
-    else:
-        ax.yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
-        if sampled:  # a row is not a client id any more: label rows with the ids they show
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(clients[int(v)].id) if 0 <= int(v) < k else ""))
-
-    if k * c <= _ANNOTATE_MAX_CELLS:
-        top = counts.max() if counts.size else 0
-        for i in range(k):
-            for j in range(c):
-                if counts[i, j]:
-                    color = "black" if counts[i, j] > 0.6 * top else "white"
-                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=6, color=color)
-
+    _draw_counts(fig, ax, counts)
+    _label_clients(ax, partition, clients, opt_out, sampled)
+    _annotate_counts(ax, counts)
     if show_opt:
-        ax_opt.imshow(
-            opt_out[:, None].astype(float),
-            aspect="auto",
-            interpolation="nearest",
-            cmap=ListedColormap(["white", "tab:red"]),
-            vmin=0,
-            vmax=1,
-        )
-        ax_opt.set_xticks([0])
-        ax_opt.set_xticklabels(["opt-out"], rotation=90, fontsize=8)
-        ax_opt.set_ylabel("client")
-        if k > _TICK_EVERY_ROW_MAX:
-            ax_opt.yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
-            if sampled:
-                ax_opt.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(clients[int(v)].id) if 0 <= int(v) < k else ""))
-        else:
-            ax_opt.set_yticks(np.arange(k))
-            ax_opt.set_yticklabels([str(cl.id) for cl in partition.clients], fontsize=7 if k > 20 else 9)
-            for tick, out in zip(ax_opt.get_yticklabels(), opt_out, strict=True):
-                if out:
-                    tick.set_color("tab:red")
+        _draw_opt_out_strip(ax_opt, opt_out)
+        _label_clients(ax_opt, partition, clients, opt_out, sampled)
         ax.tick_params(axis="y", labelleft=False)
     else:
         ax.set_ylabel("client")
@@ -116,6 +71,63 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
         ax.set_title(subtitle, fontsize=8)
 
     return _save(fig, path)
+
+
+def _draw_counts(fig: Figure, ax, counts: np.ndarray) -> None:
+    """The heatmap of `counts` (clients x classes), its colour bar and its class axis."""
+    c = counts.shape[1]
+    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, origin="upper")
+    fig.colorbar(image, ax=ax, label="samples", fraction=0.04, pad=0.01)
+    ax.set_xlabel("class")
+    if c <= _TICK_EVERY_ROW_MAX:
+        ax.set_xticks(np.arange(c))
+        ax.tick_params(axis="x", labelsize=7 if c > 20 else 9)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+
+
+def _label_clients(ax, partition: Partition, clients: list, opt_out: np.ndarray, sampled: bool) -> None:
+    """The client axis of `ax`: every id (opt-out ones red) for a few clients, else a thinned axis;
+    when rows are a sample of the clients, rows are labelled with the ids they show."""
+    k = len(clients)
+    if k <= _TICK_EVERY_ROW_MAX:
+        ax.set_yticks(np.arange(k))
+        ax.set_yticklabels([str(cl.id) for cl in partition.clients], fontsize=7 if k > 20 else 9)
+        for tick, out in zip(ax.get_yticklabels(), opt_out, strict=True):
+            if out:
+                tick.set_color("tab:red")
+        return
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
+    if sampled:  # a row is not a client id any more: label rows with the ids they show
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(clients[int(v)].id) if 0 <= int(v) < k else ""))
+
+
+def _annotate_counts(ax, counts: np.ndarray) -> None:
+    """Write each non-zero count into its cell, when the grid is small enough to read them."""
+    k, c = counts.shape
+    if k * c > _ANNOTATE_MAX_CELLS:
+        return
+    top = counts.max() if counts.size else 0
+    for i in range(k):
+        for j in range(c):
+            if counts[i, j]:
+                color = "black" if counts[i, j] > 0.6 * top else "white"
+                ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=6, color=color)
+
+
+def _draw_opt_out_strip(ax_opt, opt_out: np.ndarray) -> None:
+    """The red strip beside the heatmap marking opt-out clients."""
+    ax_opt.imshow(
+        opt_out[:, None].astype(float),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=ListedColormap(["white", "tab:red"]),
+        vmin=0,
+        vmax=1,
+    )
+    ax_opt.set_xticks([0])
+    ax_opt.set_xticklabels(["opt-out"], rotation=90, fontsize=8)
+    ax_opt.set_ylabel("client")
 
 
 def _save(fig: Figure, path: str | Path) -> Path:

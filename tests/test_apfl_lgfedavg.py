@@ -118,7 +118,7 @@ def test_lgfedavg_sends_only_the_global_layers_and_keeps_representations_local(t
 
     from fedpipe.engine.state import Checkpoints
 
-    state = Checkpoints(run.store, run.paths.run_id, "federation").load_final(torch.device("cpu"))
+    state = Checkpoints(run.store, run.layout.phase("federation")).load_final(torch.device("cpu"))
     for cid, kept in state.clients.items():
         assert set(kept) == set(initial) - {"head.weight", "head.bias"}, cid  # local layers only
     # the server never received a representation layer: its copy is still the initial model's

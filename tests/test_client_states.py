@@ -12,8 +12,11 @@ from fedpipe.algorithms.base import ServerState
 from fedpipe.engine.client_states import ClientStates, params_bytes
 from fedpipe.engine.state import Checkpoints, PhaseState
 from fedpipe.errors import CorruptArtifactError
+from fedpipe.run.layout import RunLayout
 from fedpipe.run.run import Run
 from fedpipe.store import LocalStore
+
+PHASE = RunLayout("run").phase("p")  # run/phases/p/
 
 
 def state_of(seed: int) -> dict[str, torch.Tensor]:
@@ -48,7 +51,7 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
 
 
 def make_states(tmp_path, budget_states: float) -> ClientStates:
-    return ClientStates(LocalStore(tmp_path), "run/phases/p/clients/", int(budget_states * params_bytes(state_of(0))))
+    return ClientStates(LocalStore(tmp_path), PHASE, int(budget_states * params_bytes(state_of(0))))
 
 
 def test_spilled_and_restored_state_is_bitwise_identical(tmp_path):
@@ -111,7 +114,7 @@ def phase_state(states: ClientStates, round_: int) -> PhaseState:
 
 def test_garbage_collection_keeps_what_kept_checkpoints_refer_to(tmp_path):
     store = LocalStore(tmp_path)
-    ckpt = Checkpoints(store, "run", "p", state_memory_mb=1.5 * params_bytes(state_of(0)) / 2**20)
+    ckpt = Checkpoints(store, PHASE, state_memory_mb=1.5 * params_bytes(state_of(0)) / 2**20)
     state = phase_state(ckpt.client_states({}, "cpu"), 0)
     current, history = {}, {}
     for round_, changed in [(1, [0, 1, 2, 3]), (2, [0, 1]), (3, [0]), (4, [1])]:
@@ -125,21 +128,21 @@ def test_garbage_collection_keeps_what_kept_checkpoints_refer_to(tmp_path):
     assert names == {"c00000-r00003", "c00001-r00002", "c00001-r00004", "c00002-r00001", "c00003-r00001"}
     # the newest checkpoint damaged: round 3's comes back whole, through an object round 4 no longer uses
     (tmp_path / "run/phases/p/round-00004.pt").write_bytes(b"broken")
-    back = Checkpoints(store, "run", "p", state_memory_mb=1).latest_good("cpu")
+    back = Checkpoints(store, PHASE, state_memory_mb=1).latest_good("cpu")
     assert back.round == 3
     for cid in range(4):
         assert_bitwise(back.clients[cid], history[3][cid])
     # the final state keeps only what it refers to
     ckpt.save_final(state)
     assert len(store.list("run/phases/p/clients/")) == 4 and not ckpt.round_keys()
-    final = Checkpoints(store, "run", "p").load_final("cpu")
+    final = Checkpoints(store, PHASE).load_final("cpu")
     for cid in range(4):
         assert_bitwise(final.clients[cid], history[4][cid])
 
 
 def test_checkpoint_missing_a_spilled_state_is_skipped(tmp_path, caplog):
     store = LocalStore(tmp_path)
-    ckpt = Checkpoints(store, "run", "p", state_memory_mb=1.5 * params_bytes(state_of(0)) / 2**20)
+    ckpt = Checkpoints(store, PHASE, state_memory_mb=1.5 * params_bytes(state_of(0)) / 2**20)
     state = phase_state(ckpt.client_states({}, "cpu"), 0)
     for round_ in (1, 2):
         state.clients[round_] = state_of(round_)
@@ -148,13 +151,13 @@ def test_checkpoint_missing_a_spilled_state_is_skipped(tmp_path, caplog):
         ckpt.save_round(state, keep=2)
     newest = max(state.clients.referenced_keys(), key=lambda k: k.split("-r")[1])
     store.delete(newest)
-    assert Checkpoints(store, "run", "p").latest_good("cpu").round == 1
+    assert Checkpoints(store, PHASE).latest_good("cpu").round == 1
     assert "Skipping damaged checkpoint of round 2" in caplog.text and "not in the store" in caplog.text
 
 
 def test_small_states_stay_inside_the_checkpoint(tmp_path):
     store = LocalStore(tmp_path)
-    ckpt = Checkpoints(store, "run", "p")
+    ckpt = Checkpoints(store, PHASE)
     state = phase_state(ckpt.client_states({0: state_of(0), 1: state_of(1)}, "cpu"), 1)
     ckpt.save_final(state)
     assert store.list("run/phases/p/clients/") == []

@@ -141,7 +141,7 @@ def manifest_run():
     run = small_run("unused", "data.dataset=digits", "partition.num_clients=3", "partition.scheme=iid")
     run.store = MemoryStore()
     manifest = make_partition(run.bundle, run.cfg.partition, run.cfg.run.seed).to_manifest()
-    run.store.put(run.paths.manifest, json.dumps(manifest).encode())
+    run.store.put(run.layout.partition_manifest, json.dumps(manifest).encode())
     run.load_partition()  # the untouched manifest loads
     return run, manifest
 
@@ -183,7 +183,7 @@ def _mutate(manifest, path, action, value):
 
 
 def _load(run, data: bytes):
-    run.store.put(run.paths.manifest, data)
+    run.store.put(run.layout.partition_manifest, data)
     try:
         run.load_partition()
     except FedpipeError as e:
@@ -291,4 +291,4 @@ def test_hostile_manifest_bytes_give_a_fedpipe_error_quickly(manifest_run, data)
     message = _load(run, raw)
     assert time.perf_counter() - start < QUICK
     if kind != "padded" or len(raw) > 2 * len(text) + (4 << 20):
-        assert message is not None and run.store.url(run.paths.manifest) in message, message
+        assert message is not None and run.store.url(run.layout.partition_manifest) in message, message

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from fedpipe.algorithms.base import ServerState, Upload, weighted_average
+from fedpipe.algorithms.aggregation import weighted_average
+from fedpipe.algorithms.base import ServerState, Upload
 from fedpipe.algorithms.fedavg import FedAvg, FedAvgParams
 from fedpipe.algorithms.regularizers import mixable_layers, proximal_layer_norms, proximal_squared, squared_cosine
 from fedpipe.nn.networks import TwoNN

@@ -16,7 +16,7 @@ from fedpipe.algorithms.fedmn import FedMN
 from fedpipe.algorithms.fedmoe import FedMoE
 from fedpipe.algorithms.fedper import FedPer
 from fedpipe.algorithms.fedprox import FedProx
-from fedpipe.algorithms.finetune import FedAvgFT, FedProxFT, FineTuned, finetune_phase
+from fedpipe.algorithms.finetune import FedAvgFT, FedProxFT, FineTuned, with_finetune
 from fedpipe.algorithms.ifca import IFCA
 from fedpipe.algorithms.lgfedavg import LGFedAvg
 from fedpipe.algorithms.local import Local
@@ -36,10 +36,7 @@ MethodConfig = Annotated[Union[tuple(cls.Params for cls in ALGORITHMS.values())]
 
 def phases_of(params: MethodParams, rounds: int) -> list[Phase]:
     """A configured method's phases: its own, then `finetune` when method.finetune_epochs > 0."""
-    phases = ALGORITHMS[params.name].phases(params, rounds)
-    if params.finetune_epochs:
-        phases.append(finetune_phase(max(p.last_round for p in phases)))
-    return phases
+    return with_finetune(ALGORITHMS[params.name].phases(params, rounds), params)
 
 
 def build_algorithm(params: MethodParams, model, seed: int) -> Algorithm:

@@ -6,7 +6,9 @@ An algorithm owns no loops, devices or files. It declares:
   ``{"global": ..., "local": ..., "anchor": ...}``, and the local stages that train some of them
   (`stages`), each with a loss that is a pure function of those tensors and a batch, so the engine
   can run one client or many at once (`torch.func.functional_call` / `vmap`);
-- what leaves the client (`client_result`) and how the server combines it (`aggregate`);
+- what leaves the client (`client_result`), how the server combines it (`aggregate`), and that
+  rule declared as data per phase (`aggregation`: the plain weighted mean or the method's own,
+  `fedpipe.algorithms.aggregation`);
 - which models to evaluate (`global_model`, `personalized_candidates`).
 
 Parameters travel as plain ``dict[str, Tensor]`` keyed by the module's parameter names.
@@ -25,12 +27,12 @@ from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
+from fedpipe.algorithms.aggregation import NO_UPLOADS, WEIGHTED_MEAN, Aggregation, Params, custom, weighted_average
 from fedpipe.config import Section
 
 if TYPE_CHECKING:
     from fedpipe.data.federated import ClientData
 
-Params = dict[str, torch.Tensor]
 Slots = dict[str, Params]  # slot name -> parameters, e.g. {"global": {...}, "local": {...}}
 Loss = Callable[[Slots, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -171,8 +173,20 @@ class Algorithm(ABC):
         """What a client receives at the start of a round (by default the global model)."""
         return server.global_params
 
+    def aggregation(self, phase: Phase) -> Aggregation:
+        """How `aggregate` combines this phase's uploads. By default the plain weighted mean
+        (`WEIGHTED_MEAN`), and `NO_UPLOADS` for a phase that does not communicate. A method that
+        overrides `aggregate` declares its rule here; one that does not is taken as custom (it loses
+        the distributed fast path rather than getting a wrong one)."""
+        if not phase.communicates:
+            return NO_UPLOADS
+        if type(self).aggregate is Algorithm.aggregate:
+            return WEIGHTED_MEAN
+        return custom(f"{self.name}'s own aggregate (not declared)")
+
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
-        """Combine the round's uploads (by default: sample-weighted average into the global model)."""
+        """Combine the round's uploads (by default: sample-weighted average into the global model,
+        `WEIGHTED_MEAN`)."""
         if not uploads:
             return server
         return self.apply_average(server, weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads]))
@@ -213,25 +227,6 @@ def federation_phase(rounds: int, description: str) -> Phase:
     """The one communicating phase of rounds 1..R that most methods consist of: sampled clients
     train and upload, the server aggregates."""
     return Phase("federation", 1, rounds, sample_clients=True, communicates=True, description=description)
-
-
-def weighted_average(tensors: list[Params], weights: list[float]) -> Params:
-    """Sum_k w_k * theta_k / Sum_k w_k, per tensor (FedAvg, McMahan et al. 2017, Algorithm 1).
-
-    The weighted sum is taken in float64 and divided last, then cast back: the result does not depend
-    on the clients' order (or on how a distributed phase splits the sum over processes) beyond float64
-    rounding.
-    """
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError("aggregation weights must sum to a positive number")
-    out: Params = {}
-    for name in tensors[0]:
-        acc = torch.zeros_like(tensors[0][name], dtype=torch.float64)
-        for t, w in zip(tensors, weights):
-            acc.add_(t[name].to(torch.float64), alpha=w)
-        out[name] = (acc / total).to(tensors[0][name].dtype)
-    return out
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from fedpipe.algorithms.aggregation import Aggregation, custom, weighted_sum
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -163,18 +164,16 @@ class FedAMP(Algorithm):
         xi = self.xi(server, client_id)
         models = {j: server.per_client[j] for j in xi if j != client_id}
         models[client_id] = server.per_client.get(client_id, server.global_params)
-        out = {}
-        for n, t in models[client_id].items():
-            acc = torch.zeros_like(t, dtype=torch.float64)
-            for j, coef in xi.items():
-                acc.add_(models[j][n].double(), alpha=coef)
-            out[n] = acc.to(t.dtype)
-        return out
+        sums = weighted_sum([models[j] for j in xi], list(xi.values()))
+        return {n: sums[n].to(t.dtype) for n, t in models[client_id].items()}
 
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         if phase.name != "federation":
             return server.global_params
         return self.cloud_model(server, client_id)
+
+    def aggregation(self, phase: Phase) -> Aggregation:
+        return custom("each upload is stored as its client's model w_i; downloads are attentive cloud models u_i (Eq. 6-7)")
 
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         return ServerState(server.global_params, {**server.per_client, **{u.client_id: u.tensors for u in uploads}})

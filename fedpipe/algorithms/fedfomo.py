@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from fedpipe.algorithms.aggregation import Aggregation, custom
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -60,6 +61,11 @@ LOSS_BATCH = 1024  # samples per forward when computing validation losses (memor
 
 def client_prefix(j: int) -> str:
     return f"client{j}/"
+
+
+def model_of(entry: Params) -> Params:
+    """A client's model from what the server holds for it (without FedFomo's own entries)."""
+    return {n: t for n, t in entry.items() if not n.startswith("fedfomo/")}
 
 
 class FedFomoParams(MethodParams):
@@ -95,9 +101,6 @@ class FedFomo(Algorithm):
         return [federation_phase(rounds, "clients mix in other clients' models weighted by validation-loss gain, then train")]
 
     # --- server side ----------------------------------------------------------------------------
-    def model_of(self, entry: Params) -> Params:
-        return {n: t for n, t in entry.items() if not n.startswith("fedfomo/")}
-
     def choose(self, server: ServerState, client_id: int) -> list[int]:
         """The M clients whose models client `client_id` downloads: epsilon-greedy on its affinities."""
         pool = sorted(j for j in server.per_client if j != client_id)
@@ -123,7 +126,10 @@ class FedFomo(Algorithm):
         if phase.name != "federation":
             return server.global_params
         return {client_prefix(j) + n: t for j in self.choose(server, client_id)
-                for n, t in self.model_of(server.per_client[j]).items()}
+                for n, t in model_of(server.per_client[j]).items()}
+
+    def aggregation(self, phase: Phase) -> Aggregation:
+        return custom("each upload is stored as its client's model, its weights w_n added to the client's affinities (Algorithm 1)")
 
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         per_client = dict(server.per_client)
@@ -138,7 +144,7 @@ class FedFomo(Algorithm):
                 affinity[j] += w  # P_{i,n} += w_n (Algorithm 1)
             done = int(old[PARTICIPATIONS]) + 1 if PARTICIPATIONS in old else 1
             per_client[u.client_id] = {
-                **self.model_of(u.tensors),
+                **model_of(u.tensors),
                 AFFINITY: affinity,
                 PARTICIPATIONS: torch.tensor(done, dtype=torch.int64),
                 IDS: u.tensors[IDS],

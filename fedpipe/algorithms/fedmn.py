@@ -57,6 +57,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 from torch.func import functional_call
 
+from fedpipe.algorithms.aggregation import Aggregation, custom, weighted_average
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -69,10 +70,9 @@ from fedpipe.algorithms.base import (
     Upload,
     cross_entropy,
     federation_phase,
-    weighted_average,
 )
 from fedpipe.errors import ConfigError
-from fedpipe.nn.modular import ModularNetwork, RoutingHypernetwork
+from fedpipe.nn.modular import ModularNetwork, PathLayout, RoutingHypernetwork
 from fedpipe.seeding import derive_seed
 
 NET, ROUTER = "net.", "router."  # name prefixes of the pool's units and of the router
@@ -164,6 +164,70 @@ def selective_average(previous: Params, uploads: list[Upload], unit_tensors: dic
     return out
 
 
+def build_networks(params: FedMNParams, model: nn.Module, seed: int) -> tuple[nn.ModuleDict, str]:
+    """The pool of units and the router ({"net", "router"}, on the model's device), sized from the
+    configured model, and the encoder kind it uses (cnn or mlp)."""
+    shape, classes = getattr(model, "input_shape", None), getattr(model, "num_classes", None)
+    if shape is None or classes is None:
+        raise ValueError("FedMN sizes its networks from model.input_shape and model.num_classes (set by build_model)")
+    if len(shape) != 3:
+        raise ConfigError(f"FedMN's encoders and router read images (C, H, W); this dataset's inputs have shape {tuple(shape)} "
+                          "(token sequences?). Choose an image dataset for method.name=fedmn.")
+    features = getattr(model, "features", None)
+    encoder = params.encoder if params.encoder != "auto" else ("cnn" if features is not None else "mlp")
+    if encoder == "cnn" and features is None:
+        raise ConfigError(f"method.encoder=cnn copies the model's convolutional `features`, and {type(model).__name__} has none; "
+                          "set model.name to a CNN (lenet5, superfed_cnn, mcmahan_cnn) or method.encoder=mlp.")
+    device = next(model.parameters()).device
+    template = copy.deepcopy(features).cpu() if encoder == "cnn" else None  # the model itself stays as it is
+    net = ModularNetwork(shape, classes, params.units, params.hidden, encoder, seed, template)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "fedmn-router"))
+        router = RoutingHypernetwork(shape, classes, net.layout.num_paths, params.router_feature_dim, params.router_label_dim)
+    return nn.ModuleDict({"net": net, "router": router}).to(device), encoder
+
+
+def unit_tensor_names(layout: PathLayout, pool: Params) -> dict[str, tuple[str, ...]]:
+    """Each unit's name (`layout.unit_names()`) -> the names of its tensors in the pool."""
+    names = layout.unit_names()
+    flat = [(l, j) for l, n in enumerate(layout.units) for j in range(n)]
+    return {names[k]: tuple(n for n in pool if n.startswith(f"{NET}units.{l}.{j}.")) for k, (l, j) in enumerate(flat)}
+
+
+def sample_paths(layout: PathLayout, logits: torch.Tensor, noise: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """Path variables from the router's `logits` and an epoch's noise (E logistic draws g, then tau):
+    the relaxed sample s = sigmoid((logits + g) / tau) (Eq. 3's Gumbel-sigmoid); with the round's
+    starting logits `start` (straight-through), the hard decision from start + g forward and the
+    gradient of s backward."""
+    noise = noise.to(logits.device, logits.dtype)
+    g, tau = noise[:-1], noise[-1]
+    soft = torch.sigmoid((logits + g) / tau)
+    if start is None:
+        return soft
+    hard = layout.decide(start + g)
+    return hard + (soft - soft.detach())  # exactly `hard` forward (x - x = 0), d soft backward
+
+
+def architecture_details(layout: PathLayout, units: list[str], clients: dict[int, Params]) -> dict:
+    """FedMN's round details from the clients' kept states (see `FedMN.round_details`)."""
+    states = {cid: s for cid, s in sorted(clients.items()) if s and DECISION in s}
+    if not states:
+        return {}
+    latest = max(int(s[ROUND]) for s in states.values())
+    arch = {cid: layout.describe(s[DECISION]) for cid, s in states.items()}
+    groups: dict[str, list[int]] = {}
+    for cid, a in arch.items():
+        groups.setdefault(a, []).append(cid)
+    clusters = [
+        {"architecture": a, "clients": cids,
+         "units": [n for n, used in zip(units, layout.used_mask(states[cids[0]][DECISION]).tolist()) if used]}
+        for a, cids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    ]
+    uploaded = {str(cid): [n for n, sent in zip(units, s[UPLOADED].tolist()) if sent]
+                for cid, s in states.items() if int(s[ROUND]) == latest}
+    return {"architecture": {str(c): a for c, a in arch.items()}, "clusters": clusters, "uploaded_units": uploaded}
+
+
 class FedMN(Algorithm):
     name = "fedmn"
     Params = FedMNParams
@@ -185,32 +249,10 @@ class FedMN(Algorithm):
     def __init__(self, params: FedMNParams, model: nn.Module, seed: int):
         super().__init__(params, model, seed)
         self.base_model = model
-        shape, classes = getattr(model, "input_shape", None), getattr(model, "num_classes", None)
-        if shape is None or classes is None:
-            raise ValueError("FedMN sizes its networks from model.input_shape and model.num_classes (set by build_model)")
-        if len(shape) != 3:
-            raise ConfigError(f"FedMN's encoders and router read images (C, H, W); this dataset's inputs have shape {tuple(shape)} "
-                              "(token sequences?). Choose an image dataset for method.name=fedmn.")
-        features = getattr(model, "features", None)
-        encoder = params.encoder if params.encoder != "auto" else ("cnn" if features is not None else "mlp")
-        if encoder == "cnn" and features is None:
-            raise ConfigError(f"method.encoder=cnn copies the model's convolutional `features`, and {type(model).__name__} has none; "
-                              "set model.name to a CNN (lenet5, superfed_cnn, mcmahan_cnn) or method.encoder=mlp.")
-        device = next(model.parameters()).device
-        template = copy.deepcopy(features).cpu() if encoder == "cnn" else None  # the model itself stays as it is
-        net = ModularNetwork(shape, classes, params.units, params.hidden, encoder, seed, template)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(seed, "fedmn-router"))
-            router = RoutingHypernetwork(shape, classes, net.layout.num_paths, params.router_feature_dim, params.router_label_dim)
-        self.model = nn.ModuleDict({"net": net, "router": router}).to(device)
-        self.layout = net.layout
-        self.encoder = encoder
+        self.model, self.encoder = build_networks(params, model, seed)
+        self.layout: PathLayout = self.model["net"].layout
         self.initial = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        names = self.layout.unit_names()
-        flat = [(l, j) for l, n in enumerate(self.layout.units) for j in range(n)]
-        self.unit_tensors = {
-            names[k]: tuple(n for n in self.initial if n.startswith(f"{NET}units.{l}.{j}.")) for k, (l, j) in enumerate(flat)
-        }
+        self.unit_tensors = unit_tensor_names(self.layout, self.initial)
         self.router_tensors = tuple(n for n in self.initial if n.startswith(ROUTER))
 
     @classmethod
@@ -250,13 +292,8 @@ class FedMN(Algorithm):
         s = self.params.router_lr_scale
         if s != 1.0:
             logits = s * logits + (1.0 - s) * logits.detach()  # same value, gradient scaled by s
-        noise = noise.to(logits.device, logits.dtype)
-        g, tau = noise[:-1], noise[-1]
-        soft = torch.sigmoid((logits + g) / tau)
-        if not self.params.straight_through:
-            return soft
-        hard = self.layout.decide(slots["start"]["logits"] + g)
-        return hard + (soft - soft.detach())  # exactly `hard` forward (x - x = 0), d soft backward
+        start = slots["start"]["logits"] if self.params.straight_through else None
+        return sample_paths(self.layout, logits, noise, start)
 
     # --- client side ----------------------------------------------------------------------------
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
@@ -303,6 +340,9 @@ class FedMN(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.pool(server.global_params)
 
+    def aggregation(self, phase: Phase) -> Aggregation:
+        return custom("each unit averaged by samples over the clients that uploaded it (kept when none did), the router over all")
+
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         if not uploads:
             return server
@@ -313,23 +353,7 @@ class FedMN(Algorithm):
         """Each client's architecture (decision bits, one group per layer of links), the clusters of
         clients sharing one (largest first, with the units it uses), and the units each client of
         the latest round uploaded."""
-        states = {cid: s for cid, s in sorted(clients.items()) if s and DECISION in s}
-        if not states:
-            return {}
-        latest = max(int(s[ROUND]) for s in states.values())
-        arch = {cid: self.layout.describe(s[DECISION]) for cid, s in states.items()}
-        groups: dict[str, list[int]] = {}
-        for cid, a in arch.items():
-            groups.setdefault(a, []).append(cid)
-        names = list(self.unit_tensors)
-        clusters = [
-            {"architecture": a, "clients": cids,
-             "units": [n for n, used in zip(names, self.layout.used_mask(states[cids[0]][DECISION]).tolist()) if used]}
-            for a, cids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-        ]
-        uploaded = {str(cid): [n for n, sent in zip(names, s[UPLOADED].tolist()) if sent]
-                    for cid, s in states.items() if int(s[ROUND]) == latest}
-        return {"architecture": {str(c): a for c, a in arch.items()}, "clusters": clusters, "uploaded_units": uploaded}
+        return architecture_details(self.layout, list(self.unit_tensors), clients)
 
     def report_plots(self, rounds: list[dict]) -> dict[str, Callable[[Path], object]]:
         from fedpipe import plots

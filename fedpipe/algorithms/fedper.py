@@ -19,23 +19,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
-from fedpipe.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    MethodParams,
-    Params,
-    Phase,
-    ServerState,
-    Slots,
-    Stage,
-    cross_entropy,
-    federation_phase,
-)
+from fedpipe.algorithms.base import MethodParams
+from fedpipe.algorithms.split_model import SplitModelAlgorithm
 from fedpipe.errors import ConfigError
-from fedpipe.nn.networks import names_under
 
 
 class FedPerParams(MethodParams):
@@ -48,7 +36,10 @@ class FedPerParams(MethodParams):
     `twonn` would also keep the second hidden layer. []: nothing is personal, which is FedAvg."""
 
 
-class FedPer(Algorithm):
+class FedPer(SplitModelAlgorithm):
+    """The base layers W_B are shared (Algorithm 2 sends and averages only them); the personalization
+    layers W_P stay on each client and are trained with W_B (Algorithm 1)."""
+
     name = "fedper"
     Params = FedPerParams
     paper = "Arivazhagan et al. 2019, Algorithms 1 and 2"
@@ -60,48 +51,15 @@ class FedPer(Algorithm):
         "settings, not the paper's",
     )
     params: FedPerParams
+    layers_option = "personal_layers"
+    option_names_shared = False
+    phase_description = "base layers federated, personalization layers kept on each client"
 
-    def __init__(self, params, model, seed):
-        super().__init__(params, model, seed)
-        names = [n for n, _ in model.named_parameters()]
-        self.personal = names_under(names, self.params.personal_layers, "method.personal_layers")
-        if len(self.personal) == len(names):
+    def check_split(self) -> None:
+        if not self.shared_names:
             raise ConfigError("method.personal_layers covers every parameter: nothing would be federated. Keep some base layers.")
-        # the initial model's personalization layers: where every client's own layers start
-        self.initial_personal = {n: p.detach() for n, p in model.named_parameters() if n in self.personal}
 
-    @classmethod
-    def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [federation_phase(rounds, "base layers federated, personalization layers kept on each client")]
-
-    def base(self, params: Params) -> Params:
-        return {n: t for n, t in params.items() if n not in self.personal}
-
-    def own_layers(self, state: Params | None) -> Params:
-        return state if state is not None else self.initial_personal
-
-    # --- server side ----------------------------------------------------------------------------
-    def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
-        return self.base(server.global_params)  # W_B^t only (Algorithm 2): the head never travels
-
-    # --- client side ----------------------------------------------------------------------------
-    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
-        return {"model": {**self.base(download), **self.own_layers(state)}}
-
-    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
-        return [Stage(("model",), local_epochs, self.loss)]  # W_B and W_P trained together (Algorithm 1)
-
-    def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        return cross_entropy(self.forward(slots["model"], x), y)
-
-    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
-        model = slots["model"]
-        return self.base(model), {n: model[n] for n in self.personal}
-
-    # --- evaluation -----------------------------------------------------------------------------
-    def global_model(self, server: ServerState) -> Params | None:
-        # the base alone is no classifier; without personal layers the global model is FedAvg's
-        return None if self.personal else server.global_params
-
-    def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:
-        return [(0.0, {**self.base(server.global_params), **self.own_layers(state)})]
+    @property
+    def personal(self) -> list[str]:
+        """The personalization layers' parameter names."""
+        return self.own_names

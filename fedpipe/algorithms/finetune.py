@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from fedpipe.algorithms.aggregation import NO_UPLOADS, Aggregation
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -46,6 +47,13 @@ def finetune_phase(after_round: int) -> Phase:
                  description="every client fine-tunes its personalized model locally")
 
 
+def with_finetune(phases: list[Phase], params: MethodParams) -> list[Phase]:
+    """A method's own `phases`, then `finetune` when params.finetune_epochs > 0."""
+    if params.finetune_epochs:
+        return [*phases, finetune_phase(max(p.last_round for p in phases))]
+    return phases
+
+
 def _own(state: Params | None) -> Params | None:
     """The wrapped method's part of a client's state (without the fine-tuned tensors)."""
     if state is None:
@@ -62,11 +70,10 @@ class FineTuned(Algorithm):
         self.name = inner.name
         self.paper = f"{inner.paper} + local fine-tuning (Wang et al. 2019)"
 
-    @classmethod
-    def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        from fedpipe.algorithms import phases_of
-
-        return phases_of(params, rounds)
+    def phases(self, params: MethodParams, rounds: int) -> list[Phase]:  # type: ignore[override]
+        """The wrapped method's phases, then `finetune` (an instance's: the wrapper knows its method
+        only once built; `fedpipe.algorithms.phases_of` gives them from the config alone)."""
+        return with_finetune(type(self.inner).phases(params, rounds), params)
 
     def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:
         return self.inner.forward(params, x)
@@ -96,8 +103,16 @@ class FineTuned(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.inner.download(phase, server, client_id)
 
+    def aggregation(self, phase: Phase) -> Aggregation:
+        """The wrapped method's rule in its phases (FedAvg-FT's federation: the weighted mean); the
+        `finetune` phase sends nothing."""
+        return NO_UPLOADS if phase.name == "finetune" else self.inner.aggregation(phase)
+
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         return self.inner.aggregate(phase, server, uploads)
+
+    def apply_average(self, server: ServerState, averaged: Params) -> ServerState:
+        return self.inner.apply_average(server, averaged)
 
     def global_model(self, server: ServerState) -> Params | None:
         return self.inner.global_model(server)

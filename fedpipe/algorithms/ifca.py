@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from fedpipe.algorithms.aggregation import NO_UPLOADS, WEIGHTED_MEAN, Aggregation, custom, weighted_average
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -48,7 +49,6 @@ from fedpipe.algorithms.base import (
     Upload,
     cross_entropy,
     federation_phase,
-    weighted_average,
 )
 from fedpipe.seeding import derive_seed
 
@@ -148,6 +148,15 @@ class IFCA(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.clusters(server)  # all k models (k x P)
 
+    def aggregation(self, phase: Phase) -> Aggregation:
+        """With one cluster weighted by samples, IFCA is FedAvg: the plain weighted mean."""
+        if not phase.communicates:
+            return NO_UPLOADS
+        if self.params.clusters == 1 and self.params.weighting == "samples":
+            return WEIGHTED_MEAN
+        return custom(f"each cluster model is the {self.params.weighting}-weighted mean of the models uploaded for it "
+                      "(Algorithm 2); a cluster nobody picked keeps its model")
+
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         models = dict(self.clusters(server))
         for j in range(self.params.clusters):
@@ -158,6 +167,9 @@ class IFCA(Algorithm):
             weights = [u.num_samples if self.params.weighting == "samples" else 1 for u in mine]
             models.update(weighted_average([u.tensors for u in mine], weights))
         return ServerState(models, server.per_client)
+
+    def apply_average(self, server: ServerState, averaged: Params) -> ServerState:
+        return ServerState({**self.clusters(server), **averaged}, server.per_client)
 
     # --- client side ----------------------------------------------------------------------------
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:

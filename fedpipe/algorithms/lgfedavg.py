@@ -26,23 +26,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
-from fedpipe.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    MethodParams,
-    Params,
-    Phase,
-    ServerState,
-    Slots,
-    Stage,
-    cross_entropy,
-    federation_phase,
-)
+from fedpipe.algorithms.base import MethodParams, Params
+from fedpipe.algorithms.split_model import SplitModelAlgorithm
 from fedpipe.errors import ConfigError
-from fedpipe.nn.networks import names_under
 
 
 class LGFedAvgParams(MethodParams):
@@ -55,7 +43,10 @@ class LGFedAvgParams(MethodParams):
     lenet5 is the authors' CIFAR-10 setting (the last two layers global)."""
 
 
-class LGFedAvg(Algorithm):
+class LGFedAvg(SplitModelAlgorithm):
+    """The global layers theta^g are shared (sent, averaged); each client's local representation
+    layers theta_m^l stay on it, trained jointly with theta^g on loss l(g(h(x; theta_m^l); theta^g), y)."""
+
     name = "lgfedavg"
     Params = LGFedAvgParams
     paper = "Liang et al. 2020, Algorithm 1 (local representations, global top layers)"
@@ -64,52 +55,24 @@ class LGFedAvg(Algorithm):
         "(lenet5: global_layers=[body.2, head])",
         "every layer starts from the run's initial model; the authors' scripts start from a FedAvg-trained model",
         "the server averages the global layers by sample count (FedAvg's rule); the authors' code averages them uniformly",
-        "train.* are the run-wide defaults (SGD lr 0.01, momentum 0.9, weight decay 1e-4, B = 10, E = 5), SuPerFed's "
-        "settings, not the paper's",
     )
     params: LGFedAvgParams
+    layers_option = "global_layers"
+    option_names_shared = True
+    own_first = True  # a client's model: its representation, then the global layers on top
+    phase_description = "global top layers federated, local representation layers kept on each client"
 
-    def __init__(self, params, model, seed):
-        super().__init__(params, model, seed)
-        names = [n for n, _ in model.named_parameters()]
-        self.global_names = names_under(names, self.params.global_layers, "method.global_layers")
-        if not self.global_names or len(self.global_names) == len(names):
+    def check_split(self) -> None:
+        if not self.shared_names or not self.own_names:
             raise ConfigError("method.global_layers must name some but not all layers: LG-FedAvg needs both local "
                               "representation layers and global layers.")
-        # where every client's local representation layers start: the initial model's
-        self.initial_local = {n: p.detach() for n, p in model.named_parameters() if n not in self.global_names}
 
-    @classmethod
-    def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:
-        return [federation_phase(rounds, "global top layers federated, local representation layers kept on each client")]
+    @property
+    def global_names(self) -> list[str]:
+        """The global layers' parameter names."""
+        return self.shared_names
 
-    def global_part(self, params: Params) -> Params:
-        return {n: params[n] for n in self.global_names}
-
-    def local_part(self, state: Params | None) -> Params:
-        return state if state is not None else self.initial_local
-
-    # --- server side ----------------------------------------------------------------------------
-    def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
-        return self.global_part(server.global_params)  # theta^g only: representations never travel
-
-    # --- client side ----------------------------------------------------------------------------
-    def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
-        return {"model": {**self.local_part(state), **download}}
-
-    def stages(self, ctx: ClientContext, local_epochs: int) -> list[Stage]:
-        return [Stage(("model",), local_epochs, self.loss)]  # local and global layers trained jointly
-
-    def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        return cross_entropy(self.forward(slots["model"], x), y)
-
-    def client_result(self, ctx: ClientContext, slots: Slots, state: Params | None) -> tuple[Params | None, Params | None]:
-        model = slots["model"]
-        return self.global_part(model), {n: t for n, t in model.items() if n not in self.global_names}
-
-    # --- evaluation -----------------------------------------------------------------------------
-    def global_model(self, server: ServerState) -> Params | None:
-        return None  # the global layers alone are no classifier
-
-    def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:
-        return [(0.0, {**self.local_part(state), **self.global_part(server.global_params)})]
+    @property
+    def initial_local(self) -> Params:
+        """Where every client's local representation layers start: the initial model's."""
+        return self.initial_own

@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
+from fedpipe.algorithms.aggregation import Aggregation, custom, weighted_average
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -59,7 +60,6 @@ from fedpipe.algorithms.base import (
     Upload,
     cross_entropy,
     federation_phase,
-    weighted_average,
 )
 from fedpipe.nn.multibranch import BranchLayout, project_onto_simplex
 
@@ -223,6 +223,12 @@ class PFedMB(Algorithm):
     # --- server side ----------------------------------------------------------------------------
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.branches(server.global_params)
+
+    def aggregation(self, phase: Phase) -> Aggregation:
+        """Custom even with `aggregation: plain` (Eq. 6): the uploads also carry each client's alpha,
+        which the server must not keep (a plain weighted mean would average it into the global state)."""
+        rule = "n_i alpha^i_{l,b} (Eq. 5)" if self.params.aggregation == "alpha_weighted" else "n_i (Eq. 6)"
+        return custom(f"branch b of layer l averaged with weights {rule}, the others by n_i; the uploaded alphas are not kept")
 
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         if not uploads:

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from fedpipe.algorithms.aggregation import WEIGHTED_MEAN, Aggregation, custom, weighted_average
 from fedpipe.algorithms.base import (
     Algorithm,
     ClientContext,
@@ -45,7 +46,6 @@ from fedpipe.algorithms.base import (
     Upload,
     cross_entropy,
     federation_phase,
-    weighted_average,
 )
 
 
@@ -143,6 +143,13 @@ class PFedMe(Algorithm):
         return slots["local"], slots["personal"]  # upload w_{i,R}; keep theta_i as the personalized model
 
     # --- server side ----------------------------------------------------------------------------
+    def aggregation(self, phase: Phase) -> Aggregation:
+        """weighting=samples with beta = 1 is the plain weighted mean; otherwise Algorithm 1's mix."""
+        if self.params.weighting == "samples" and self.params.beta == 1.0:
+            return WEIGHTED_MEAN
+        return custom(f"w = (1 - beta) w + beta * the {self.params.weighting}-weighted mean of the clients' w_i "
+                      f"(Algorithm 1, beta = {self.params.beta})")
+
     def aggregate(self, phase: Phase, server: ServerState, uploads: list[Upload]) -> ServerState:
         if not uploads:
             return server

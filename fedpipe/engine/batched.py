@@ -4,9 +4,10 @@ stack with a mask, so a client that has run out of batches no longer moves.
 
 It computes what `fedpipe.engine.sequential.train_client` computes for each client, within float
 tolerance: the same shuffles and the same per-batch noise (SuPerFed's lam), drawn from each client's
-own generator in the same order; the same mini-batches (the last one of an epoch may be smaller:
-clients are grouped by batch size at each step, so no padding enters a loss); PyTorch's SGD rule
-(weight decay added to the gradient, momentum buffer starting at the first gradient, no dampening).
+own generator by the same schedule (`fedpipe.engine.schedule`); the same mini-batches (the last one
+of an epoch may be smaller: clients are grouped by batch size at each step, so no padding enters a
+loss); PyTorch's SGD rule (weight decay added to the gradient, momentum buffer starting at the
+first gradient, no dampening).
 
 What it cannot run (`batchable` says why): custom per-batch updates (pFedMe), in-place fix-ups
 after a step (pFedMB's projection), early stopping (the mixture of experts), Adam, and models whose
@@ -22,6 +23,7 @@ import torch
 from torch.func import vmap
 
 from fedpipe.algorithms.base import Algorithm, ClientContext, Slots, Stage
+from fedpipe.engine.schedule import Step, stage_steps
 from fedpipe.engine.sequential import ClientStats, autocast
 
 
@@ -56,22 +58,109 @@ def batchable(stages: list[Stage], optimizer: str) -> str | None:
     return None
 
 
-def _schedule(algorithm: Algorithm, job: BatchJob, stage: Stage, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """The client's (batch indices, noise) for every step of `stage`, drawn exactly as train_client draws them."""
-    n, device = len(job.ctx.data.train), job.ctx.data.train.y.device
-    steps = []
-    for _ in range(stage.epochs):
-        order = torch.randperm(n, generator=job.generator).to(device)
-        noise = algorithm.batch_noise(job.ctx, stage, job.generator) if stage.noise_per == "epoch" else None
-        for start in range(0, n, batch_size):
-            if stage.noise_per == "batch":
-                noise = algorithm.batch_noise(job.ctx, stage, job.generator)
-            steps.append((order[start : start + batch_size], noise))
-    return steps
-
-
 def _same_object(tensors: list[torch.Tensor]) -> bool:
     return all(t is tensors[0] for t in tensors[1:])
+
+
+class _Stack:
+    """The chunk's stacked tensors ([clients, ...]) and its per-client loss sums and sample counts.
+    A slot every client reads from one shared tensor (the downloaded global model as an anchor) and
+    none trains stays unstacked (in_dims None)."""
+
+    def __init__(self, jobs: list[BatchJob]):
+        first = jobs[0]
+        self.jobs, self.count = jobs, len(jobs)
+        self.device = first.ctx.data.train.y.device
+        self.trained = {name for stage in first.stages for name in stage.trainable}
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self.dims: dict[str, dict[str, int | None]] = {}
+        for name, tensors in first.slots.items():
+            self.tensors[name], self.dims[name] = {}, {}
+            for k in tensors:
+                column = [job.slots[name][k] for job in jobs]
+                if name not in self.trained and _same_object(column):
+                    self.tensors[name][k], self.dims[name][k] = column[0].detach(), None
+                else:
+                    self.tensors[name][k], self.dims[name][k] = torch.stack([t.detach() for t in column]).clone(), 0
+        self.loss_sums = torch.zeros(self.count, device=self.device)
+        self.seen = [0] * self.count
+
+    def train_only(self, trainable: tuple[str, ...]) -> None:
+        """Gradients for `trainable`'s tensors only (None: for none)."""
+        for name in self.trained:
+            for t in self.tensors[name].values():
+                t.requires_grad_(name in trainable)
+
+    def view(self, index: torch.Tensor | None) -> Slots:
+        """The stacked slots restricted to the rows in `index` (all of them when None)."""
+        return {name: {k: (v if self.dims[name][k] is None or index is None else v[index]) for k, v in tensors.items()}
+                for name, tensors in self.tensors.items()}
+
+    def tally(self, rows: list[int], index: torch.Tensor | None, losses: torch.Tensor, size: int) -> None:
+        with torch.no_grad():
+            if index is None:
+                self.loss_sums += losses.detach() * size
+            else:
+                self.loss_sums.index_add_(0, index, losses.detach() * size)
+        for c in rows:
+            self.seen[c] += size
+
+    def results(self) -> list[tuple[Slots, ClientStats]]:
+        """Each client's slots (trained ones cloned out of the stack, the others as it sent them) and statistics."""
+        out = []
+        for c, job in enumerate(self.jobs):
+            slots = {
+                name: {k: (self.tensors[name][k][c].clone() if self.dims[name][k] == 0 and name in self.trained
+                           else job.slots[name][k].detach()) for k in tensors}
+                for name, tensors in job.slots.items()
+            }
+            out.append((slots, ClientStats(loss=float(self.loss_sums[c]) / max(self.seen[c], 1), samples=self.seen[c])))
+        return out
+
+
+def _step_gradients(stack: _Stack, mapped, params: Slots, schedules: list[list[Step]], t: int,
+                    active: list[int], noisy: bool, amp: bool) -> dict[tuple[str, str], torch.Tensor]:
+    """The gradients of step `t` for the `active` clients, summed over groups of equal batch size
+    (no padding enters a loss); rows of clients outside a group get zero from it."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for c in active:
+        groups[int(schedules[c][t].index.numel())].append(c)
+    keys = [(name, k) for name in params for k in params[name]]
+    grads: dict[tuple[str, str], torch.Tensor] = {}
+    for size, rows in groups.items():
+        index = None if len(rows) == stack.count else torch.tensor(rows, device=stack.device)
+        x = torch.stack([stack.jobs[c].ctx.data.train.x[schedules[c][t].index] for c in rows])
+        y = torch.stack([stack.jobs[c].ctx.data.train.y[schedules[c][t].index] for c in rows])
+        noise = torch.stack([schedules[c][t].noise for c in rows]).to(stack.device) if noisy else None
+        with autocast(stack.device, amp):
+            losses = mapped(stack.view(index), x, y, noise)
+        group_grads = torch.autograd.grad(losses.sum(), [params[name][k] for name, k in keys])
+        for key, g in zip(keys, group_grads):
+            grads[key] = g if key not in grads else grads[key] + g
+        stack.tally(rows, index, losses, size)
+    return grads
+
+
+def _train_stage(algorithm: Algorithm, stack: _Stack, s: int, stage: Stage, *, batch_size: int, lr: float,
+                 momentum: float, weight_decay: float, amp: bool) -> None:
+    """Stage `s` of every client, step by step; a client out of steps is masked out of the update."""
+    stage_lr = stage.lr if stage.lr is not None else lr * stage.lr_scale
+    params = {name: stack.tensors[name] for name in stage.trainable}
+    stack.train_only(stage.trainable)
+    buffers = {(name, k): torch.zeros_like(t) for name in stage.trainable for k, t in params[name].items()}
+    schedules = [stage_steps(algorithm, job.ctx, job.stages[s], batch_size, job.generator) for job in stack.jobs]
+    noisy = any(step.noise is not None for sched in schedules for step in sched)
+    mapped = vmap(stage.loss, in_dims=(stack.dims, 0, 0, 0 if noisy else None))
+    for t in range(max(len(sched) for sched in schedules)):
+        active = [c for c in range(stack.count) if t < len(schedules[c])]
+        grads = _step_gradients(stack, mapped, params, schedules, t, active, noisy, amp)
+        mask = None
+        if len(active) < stack.count:
+            mask = torch.zeros(stack.count, dtype=torch.bool, device=stack.device)
+            mask[active] = True
+        with torch.no_grad():
+            for key, g in grads.items():
+                _sgd_step(params[key[0]][key[1]], g, buffers[key], mask, stage_lr, momentum, weight_decay)
 
 
 def train_batched(
@@ -86,80 +175,12 @@ def train_batched(
 ) -> list[tuple[Slots, ClientStats]]:
     """Train `jobs` (same slot layout and stage keys) together; returns each client's trained slots
     (detached, owning their memory) and statistics, in the order of `jobs`."""
-    first = jobs[0]
-    count = len(jobs)
-    device = first.ctx.data.train.y.device
-    trained = {name for stage in first.stages for name in stage.trainable}
-    # Stacked tensors: [clients, ...]. A slot every client reads from one shared tensor (the
-    # downloaded global model as an anchor) and none trains stays unstacked (in_dims None).
-    stacked: dict[str, dict[str, torch.Tensor]] = {}
-    dims: dict[str, dict[str, int | None]] = {}
-    for name, tensors in first.slots.items():
-        stacked[name], dims[name] = {}, {}
-        for k in tensors:
-            column = [job.slots[name][k] for job in jobs]
-            if name not in trained and _same_object(column):
-                stacked[name][k], dims[name][k] = column[0].detach(), None
-            else:
-                stacked[name][k], dims[name][k] = torch.stack([t.detach() for t in column]).clone(), 0
-    loss_sums = torch.zeros(count, device=device)
-    seen = [0] * count
-
-    for s, stage in enumerate(first.stages):
-        stage_lr = stage.lr if stage.lr is not None else lr * stage.lr_scale
-        params = {name: stacked[name] for name in stage.trainable}
-        for name in trained:
-            for t in stacked[name].values():
-                t.requires_grad_(name in stage.trainable)
-        buffers = {(name, k): torch.zeros_like(t) for name in stage.trainable for k, t in stacked[name].items()}
-        schedules = [_schedule(algorithm, job, job.stages[s], batch_size) for job in jobs]
-        noise_dim = None if all(step[1] is None for sched in schedules for step in sched) else 0
-        mapped = vmap(stage.loss, in_dims=(dims, 0, 0, noise_dim))
-        for t in range(max(len(sched) for sched in schedules)):
-            active = [c for c in range(count) if t < len(schedules[c])]
-            groups: dict[int, list[int]] = defaultdict(list)
-            for c in active:
-                groups[int(schedules[c][t][0].numel())].append(c)
-            grads: dict[tuple[str, str], torch.Tensor] = {}
-            for size, rows in groups.items():
-                whole = len(rows) == count
-                index = None if whole else torch.tensor(rows, device=device)
-                view = {name: {k: (v if dims[name][k] is None or whole else v[index]) for k, v in tensors.items()} for name, tensors in stacked.items()}
-                x = torch.stack([jobs[c].ctx.data.train.x[schedules[c][t][0]] for c in rows])
-                y = torch.stack([jobs[c].ctx.data.train.y[schedules[c][t][0]] for c in rows])
-                noise = None if noise_dim is None else torch.stack([schedules[c][t][1] for c in rows]).to(device)
-                with autocast(device, amp):
-                    losses = mapped(view, x, y, noise)
-                keys = [(name, k) for name in params for k in params[name]]
-                group_grads = torch.autograd.grad(losses.sum(), [params[name][k] for name, k in keys])
-                for key, g in zip(keys, group_grads):
-                    grads[key] = g if key not in grads else grads[key] + g
-                with torch.no_grad():
-                    if whole:
-                        loss_sums += losses.detach() * size
-                    else:
-                        loss_sums.index_add_(0, index, losses.detach() * size)
-                for c in rows:
-                    seen[c] += size
-            mask = None
-            if len(active) < count:
-                mask = torch.zeros(count, dtype=torch.bool, device=device)
-                mask[active] = True
-            with torch.no_grad():
-                for key, g in grads.items():
-                    _sgd_step(params[key[0]][key[1]], g, buffers[key], mask, stage_lr, momentum, weight_decay)
-
-    for name in trained:
-        for t in stacked[name].values():
-            t.requires_grad_(False)
-    results = []
-    for c, job in enumerate(jobs):
-        slots = {
-            name: {k: (stacked[name][k][c].clone() if dims[name][k] == 0 and name in trained else job.slots[name][k].detach()) for k in tensors}
-            for name, tensors in job.slots.items()
-        }
-        results.append((slots, ClientStats(loss=float(loss_sums[c]) / max(seen[c], 1), samples=seen[c])))
-    return results
+    stack = _Stack(jobs)
+    for s, stage in enumerate(jobs[0].stages):
+        _train_stage(algorithm, stack, s, stage, batch_size=batch_size, lr=lr, momentum=momentum,
+                     weight_decay=weight_decay, amp=amp)
+    stack.train_only(())
+    return stack.results()
 
 
 def _sgd_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, mask: torch.Tensor | None,

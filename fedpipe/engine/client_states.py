@@ -5,8 +5,8 @@ used states stay in memory up to `budget_bytes`; the least recently used beyond 
 the store ("spilled") and read back when their client is used again. So 10,000 clients cost the
 budget in memory, not 10,000 models.
 
-A spilled state is one immutable object, ``<phase folder>/clients/c<client>-r<round>-<sha256[:16]>.pt``:
-the client, the round that produced the state, and a hash of the bytes. Nothing is ever written
+A spilled state is one immutable object whose key (`PhaseKeys.client_state`) names the client, the
+round that produced the state, and a hash of the bytes. Nothing is ever written
 twice under one key, so an older checkpoint that refers to an object can still be resumed from
 after later rounds changed the client, and a read checks the bytes against the key's hash.
 
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import io
-import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,7 +38,15 @@ from fedpipe.store.base import Store
 FORMAT = 1
 #: Most bytes of states a checkpoint holds inline (beyond it, states are objects and referenced).
 INLINE_MAX_BYTES = 64 * 2**20
-_KEY = re.compile(r"c(\d+)-r(\d+)-([0-9a-f]{16})\.pt$")
+
+
+class ClientKeys(Protocol):
+    """The keys of a phase's spilled client states (the run layer decides them: fedpipe.run.layout)."""
+
+    def client_state(self, client_id: int, round_: int, digest: str) -> str: ...
+
+    def client_state_of(self, key: str) -> tuple[int, int, str] | None:
+        """(client, round, digest) that a client-state key (of any phase) names; None for another key."""
 
 
 def params_bytes(params: Mapping[str, torch.Tensor]) -> int:
@@ -56,16 +64,15 @@ class _Entry:
 class ClientStates(MutableMapping[int, Params]):
     """client id -> Params, at most `budget_bytes` of them in memory (least recently used spill).
 
-    `prefix` is the store folder new objects go to (``<run>/phases/<phase>/clients/``); states
-    loaded go to `device`. `round` is the round the states set now belong to: `PhaseState` keeps it
+    `layout` names the objects new states are written to (the phase's folder); states loaded go to
+    `device`. `round` is the round the states set now belong to: `PhaseState` keeps it
     at its last finished round + 1."""
 
-    def __init__(self, store: Store, prefix: str, budget_bytes: int, device: torch.device | str = "cpu",
+    def __init__(self, store: Store, layout: ClientKeys, budget_bytes: int, device: torch.device | str = "cpu",
                  inline_bytes: int = INLINE_MAX_BYTES):
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
-        self.store = store
-        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self.store, self.layout = store, layout
         self.budget_bytes = int(budget_bytes)
         self.inline_bytes = int(min(inline_bytes, budget_bytes))
         self.device = torch.device(device)
@@ -115,16 +122,9 @@ class ClientStates(MutableMapping[int, Params]):
     def stats(self) -> dict[str, int]:
         """Clients with a state, how many (and how many bytes) are in memory, how many are only in
         the store, and the objects written and read so far."""
-        return {
-            "clients": len(self._entries),
-            "resident": len(self._resident),
-            "resident_bytes": self._resident_bytes,
-            "spilled": len(self._entries) - len(self._resident),
-            "budget_bytes": self.budget_bytes,
-            "writes": self._writes,
-            "written_bytes": self._written_bytes,
-            "reads": self._reads,
-        }
+        clients, resident = len(self._entries), len(self._resident)
+        return {"clients": clients, "resident": resident, "resident_bytes": self._resident_bytes, "spilled": clients - resident,
+                "budget_bytes": self.budget_bytes, "writes": self._writes, "written_bytes": self._written_bytes, "reads": self._reads}
 
     def referenced_keys(self) -> set[str]:
         """Store objects this mapping relies on (its spilled states and the written copies of
@@ -144,13 +144,14 @@ class ClientStates(MutableMapping[int, Params]):
         return {}, {cid: [e.key, e.nbytes, e.round] for cid, e in sorted(self._entries.items())}
 
     @classmethod
-    def restore(cls, store: Store, prefix: str, budget_bytes: int, device: torch.device | str, round_: int,
+    def restore(cls, store: Store, layout: ClientKeys, budget_bytes: int, device: torch.device | str, round_: int,
                 inline: Mapping[int, Params], refs: Mapping[int, list]) -> ClientStates:
         """The mapping a checkpoint describes: inline states in memory, referenced ones read when used."""
-        states = cls(store, prefix, budget_bytes, device)
+        states = cls(store, layout, budget_bytes, device)
         states.round = round_
         for cid, (key, nbytes, rnd) in refs.items():
-            if not isinstance(key, str) or not _KEY.search(key) or int(_KEY.search(key).group(1)) != int(cid):
+            named = layout.client_state_of(key) if isinstance(key, str) else None
+            if named is None or named[0] != int(cid):
                 raise ValueError(f"client {cid}'s reference {key!r} is not a fedpipe client-state key")
             states._entries[int(cid)] = _Entry(None, key, int(nbytes), int(rnd))
         for cid, params in inline.items():
@@ -195,7 +196,7 @@ class ClientStates(MutableMapping[int, Params]):
 
     def _write(self, client_id: int, entry: _Entry) -> None:
         data = serialize(client_id, entry.params)
-        key = f"{self.prefix}c{client_id:05d}-r{entry.round:05d}-{hashlib.sha256(data).hexdigest()[:16]}.pt"
+        key = self.layout.client_state(client_id, entry.round, hashlib.sha256(data).hexdigest()[:16])
         self.store.put(key, data)
         entry.key = key
         self._writes += 1
@@ -203,7 +204,8 @@ class ClientStates(MutableMapping[int, Params]):
 
     def _load(self, client_id: int, key: str) -> Params:
         self._reads += 1
-        return load_state(self.store, key, client_id, self.device)
+        named = self.layout.client_state_of(key)
+        return load_state(self.store, key, client_id, named[2] if named else None, self.device)
 
 
 def serialize(client_id: int, params: Params) -> bytes:
@@ -220,9 +222,9 @@ def serialize(client_id: int, params: Params) -> bytes:
     return buf.getvalue()
 
 
-def load_state(store: Store, key: str, client_id: int, device: torch.device | str = "cpu") -> Params:
-    """Read a spilled state back, checking it is the object its key names; damage or absence is a
-    CorruptArtifactError that says which client and file."""
+def load_state(store: Store, key: str, client_id: int, digest: str | None, device: torch.device | str = "cpu") -> Params:
+    """Read a spilled state back, checking its bytes against `digest`, the hash its key names; damage
+    or absence is a CorruptArtifactError that says which client and file."""
     url = store.url(key)
     advice = ("A checkpoint of this run refers to it, so the run cannot go on from that checkpoint: start it "
               "over with `fedpipe run --fresh`, or restore the file from a copy.")
@@ -232,8 +234,7 @@ def load_state(store: Store, key: str, client_id: int, device: torch.device | st
         raise CorruptArtifactError(f"The saved state of client {client_id} ({url}) is damaged: {e}") from None
     except StoreError:
         raise CorruptArtifactError(f"The saved state of client {client_id} ({url}) is missing from the store. {advice}") from None
-    match = _KEY.search(key)
-    if match is None or hashlib.sha256(data).hexdigest()[:16] != match.group(3):
+    if digest is None or hashlib.sha256(data).hexdigest()[:16] != digest:
         raise CorruptArtifactError(
             f"The saved state of client {client_id} ({url}) is damaged: its bytes do not match the hash in its name. {advice}"
         )

@@ -11,20 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Slots
+from fedpipe.config import EngineConfig, TrainConfig
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
 from fedpipe.engine.sequential import ClientStats, train_client
 from fedpipe.errors import FedpipeError
 from fedpipe.seeding import torch_generator
-
-if TYPE_CHECKING:
-    from fedpipe.run.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +58,20 @@ def _check_finite(client_id: int, params: Params | None) -> None:
 
 
 class ClientTrainer:
-    """Trains lists of clients for one phase in this process."""
+    """Trains lists of clients for one phase in this process: the local optimisation `train` asks
+    for, in the way `engine` asks for, each client's shuffles and noise drawn from a generator
+    seeded by (`seed`, "client", round, client id)."""
 
-    def __init__(self, cfg: RunConfig, algorithm: Algorithm, phase: Phase, data: FederatedData):
-        self.cfg, self.algorithm, self.phase = cfg, algorithm, phase
+    def __init__(self, algorithm: Algorithm, phase: Phase, data: FederatedData, train: TrainConfig,
+                 engine: EngineConfig, seed: int):
+        self.algorithm, self.phase = algorithm, phase
+        self.train_cfg, self.engine, self.seed = train, engine, seed
         self.by_id = {c.client_id: c for c in data.clients}
         self.device = data.global_test.y.device
-        self.mode = cfg.engine.clients  # "auto" until the first round with two clients or more decides
+        self.mode = engine.clients  # "auto" until the first round with two clients or more decides
         convolutional = any(isinstance(m, nn.Conv2d) for m in algorithm.model.modules())
-        self.channels_last = cfg.engine.channels_last == "on" or (cfg.engine.channels_last == "auto" and convolutional)
-        self.amp = cfg.engine.amp == "bf16"
+        self.channels_last = engine.channels_last == "on" or (engine.channels_last == "auto" and convolutional)
+        self.amp = engine.amp == "bf16"
         self.failed_once = False  # only the first failing client's warning carries a traceback
 
     # --- one by one ---------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class ClientTrainer:
         return ClientOutcome(ctx.client_id, len(ctx.data.train), error=f"{type(e).__name__}: {e}")
 
     def _train_kwargs(self, lr: float) -> dict:
-        t = self.cfg.train
+        t = self.train_cfg
         return dict(batch_size=t.batch_size, lr=lr, optimizer=t.optimizer, momentum=t.momentum, weight_decay=t.weight_decay)
 
     def train_one(self, work: ClientWork, round_: int, lr: float) -> ClientOutcome:
@@ -97,8 +98,8 @@ class ClientTrainer:
         try:
             slots = self.algorithm.client_params(ctx, work.download, work.kept)
             slots, stats = train_client(
-                self.algorithm, ctx, slots, self.algorithm.stages(ctx, self.cfg.train.local_epochs),
-                generator=torch_generator(self.cfg.run.seed, "client", round_, ctx.client_id),
+                self.algorithm, ctx, slots, self.algorithm.stages(ctx, self.train_cfg.local_epochs),
+                generator=torch_generator(self.seed, "client", round_, ctx.client_id),
                 memory_format_cl=self.channels_last, amp=self.amp, **self._train_kwargs(lr),
             )
             return self._finish(ctx, work, slots, stats)
@@ -113,12 +114,12 @@ class ClientTrainer:
         jobs = []
         for work in works:
             ctx = self._context(work.client_id, round_)
-            stages = self.algorithm.stages(ctx, self.cfg.train.local_epochs)
-            reason = batchable(stages, self.cfg.train.optimizer)
+            stages = self.algorithm.stages(ctx, self.train_cfg.local_epochs)
+            reason = batchable(stages, self.train_cfg.optimizer)
             if reason:
                 return reason
             slots = self.algorithm.client_params(ctx, work.download, work.kept)
-            jobs.append((work, BatchJob(ctx, slots, stages, torch_generator(self.cfg.run.seed, "client", round_, work.client_id))))
+            jobs.append((work, BatchJob(ctx, slots, stages, torch_generator(self.seed, "client", round_, work.client_id))))
         return jobs
 
     def _train_chunk(self, pairs: list[tuple[ClientWork, BatchJob]], round_: int, lr: float) -> list[ClientOutcome]:
@@ -150,7 +151,7 @@ class ClientTrainer:
             layout = tuple((name, tuple((k, tuple(t.shape)) for k, t in tensors.items())) for name, tensors in job.slots.items())
             groups.setdefault((layout, tuple(stage_key(s) for s in job.stages)), []).append(i)
         out: dict[int, ClientOutcome] = {}
-        chunk = self.cfg.engine.chunk
+        chunk = self.engine.chunk
         for rows in groups.values():
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
@@ -183,7 +184,7 @@ class ClientTrainer:
         not depend on the race, only which of two float-tolerance-equal ways computed it."""
         if len(works) < 2:
             return [self.train_one(w, round_, lr) for w in works]
-        probe, rest = works[: max(2, self.cfg.engine.chunk)], works[max(2, self.cfg.engine.chunk) :]
+        probe, rest = works[: max(2, self.engine.chunk)], works[max(2, self.engine.chunk) :]
         t0 = time.perf_counter()
         one_by_one = [self.train_one(w, round_, lr) for w in probe]
         t1 = time.perf_counter()

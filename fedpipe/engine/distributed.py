@@ -6,38 +6,45 @@ rank 0 included, trains a share of each round's clients. Per round:
 1. rank 0 scatters each rank its clients (download and kept state; a client goes to the least
    loaded rank, largest first, so ranks finish together);
 2. every rank trains its clients (one by one or batched, `fedpipe.engine.clients`);
-3. with the default aggregation (sample-weighted averaging, McMahan et al. 2017, Algorithm 1) the
+3. when the algorithm declares the plain weighted mean for the phase (`uses_weighted_mean`: sample-weighted averaging, McMahan et al. 2017, Algorithm 1) the
    ranks all-reduce their weighted sums sum_k n_k * theta_k and sum_k n_k (float64), and no upload
    travels; a method with its own aggregation gathers the uploads on rank 0 instead;
 4. rank 0 gathers the outcomes (new client states, statistics, failures).
 
-The result equals one process's within float64 rounding of the sum (weighted_average sums in the
+The result equals one process's within float64 rounding of the sum (`weighted_sum` adds in the
 same float64 before dividing). Objects travel over a gloo group even when tensors go over NCCL.
 
 `torchrun` (or a PyTorchJob) starts the ranks and sets RANK / WORLD_SIZE / MASTER_ADDR; without
-it, `engine.processes > 1` starts the extra ranks on this machine (`spawn_workers`).
+it, `engine.processes > 1` starts the extra ranks on this machine (`spawn_workers`). Either way
+`run_ranks` does the choreography: every rank joins the group; rank 0 runs the phase (a callable)
+and first tells the other ranks, with one broadcast (`brief`), what to train on, or None when
+there is nothing to do; the other ranks build their `ClientTrainer` from that with a
+`TrainerRecipe` and serve rounds until rank 0 says stop; all leave the group.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
+import importlib
 import logging
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from fedpipe.algorithms.base import Algorithm, Params
+from fedpipe.algorithms.aggregation import Params, uses_weighted_mean, weighted_sum
 from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
 from fedpipe.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TIMEOUT = datetime.timedelta(minutes=30)  # a rank silent this long is taken for dead
 STARTUP = datetime.timedelta(minutes=2)  # ranks started on this machine must all have joined by then
 
@@ -55,6 +62,7 @@ class Group:
     objects: dist.ProcessGroup  # gloo group for pickled objects
     tensors: dist.ProcessGroup  # the all-reduce's group (NCCL between GPUs, else gloo)
     device: torch.device
+    briefed: bool = False  # rank 0: whether the other ranks were told what to do (`brief`)
 
 
 def join(rank: int | None = None, world: int | None = None, address: str | None = None, port: int | None = None) -> Group:
@@ -87,10 +95,6 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def uses_default_aggregation(algorithm: Algorithm) -> bool:
-    return type(algorithm).aggregate is Algorithm.aggregate
-
-
 def assign(works: list[ClientWork], sizes: dict[int, int], world: int) -> list[list[ClientWork]]:
     """Clients to ranks, largest first to the least loaded rank (ties: lower rank); each rank's
     list keeps the round's order."""
@@ -104,22 +108,15 @@ def assign(works: list[ClientWork], sizes: dict[int, int], world: int) -> list[l
 
 
 def _weighted_sums(outcomes: list[ClientOutcome]) -> tuple[dict[str, torch.Tensor], float, dict[str, tuple]]:
-    """sum_k n_k * theta_k (float64) over this rank's uploads, sum_k n_k, and each tensor's
+    """sum_k n_k * theta_k (float64, on the CPU) over this rank's uploads, sum_k n_k, and each tensor's
     (shape, dtype); the uploads themselves are dropped (they need not travel)."""
-    sums: dict[str, torch.Tensor] = {}
-    meta: dict[str, tuple] = {}
-    weight = 0.0
-    for o in outcomes:
-        if o.upload is None or o.error:
-            continue
-        for k, t in o.upload.items():
-            if k not in sums:
-                sums[k] = torch.zeros(t.shape, dtype=torch.float64)
-                meta[k] = (tuple(t.shape), t.dtype)
-            sums[k].add_(t.detach().to("cpu", torch.float64), alpha=o.num_samples)
-        weight += o.num_samples
+    sent = [o for o in outcomes if o.upload is not None and not o.error]
+    uploads = [{k: t.detach().cpu() for k, t in o.upload.items()} for o in sent]
+    sums = weighted_sum(uploads, [o.num_samples for o in sent])
+    meta = {k: (tuple(t.shape), t.dtype) for k, t in uploads[0].items()} if uploads else {}
+    for o in sent:
         o.upload = None
-    return sums, weight, meta
+    return sums, float(sum(o.num_samples for o in sent)), meta
 
 
 class DistributedRound:
@@ -127,7 +124,7 @@ class DistributedRound:
 
     def __init__(self, group: Group, trainer: ClientTrainer):
         self.group, self.trainer = group, trainer
-        self.reduce = trainer.phase.communicates and uses_default_aggregation(trainer.algorithm)
+        self.reduce = uses_weighted_mean(trainer.algorithm, trainer.phase)
 
     def _scatter(self, messages: list | None):
         box = [None]
@@ -194,6 +191,83 @@ class DistributedRound:
             dist.gather_object(outcomes, None, dst=0, group=self.group.objects)
 
 
+# --- the ranks of a phase ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainerRecipe:
+    """How a rank > 0 builds its `ClientTrainer`: `factory` names a function ("package.module:function",
+    resolved with importlib, so the engine imports nothing of the layer that provides it; spawned
+    ranks are fresh processes that receive only text). It is called as factory(spec, briefing,
+    device): `spec` is the text every rank starts with (the run's config and phase), `briefing`
+    what rank 0 broadcast (`brief`), never None."""
+
+    factory: str
+    spec: str
+
+    def build(self, briefing, device: torch.device) -> ClientTrainer:
+        module, _, name = self.factory.partition(":")
+        return getattr(importlib.import_module(module), name)(self.spec, briefing, device)
+
+
+def brief(group: Group | None, message) -> None:
+    """Rank 0 tells the other ranks what the phase trains on (a picklable), or None: nothing to do."""
+    if group is not None:
+        dist.broadcast_object_list([message], src=0, group=group.objects)
+        group.briefed = True
+
+
+def serve(group: Group, recipe: TrainerRecipe) -> None:
+    """A rank > 0: wait for rank 0's briefing, then train the clients it sends until it says stop."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=group.objects)
+    if box[0] is not None:
+        DistributedRound(group, recipe.build(box[0], group.device)).serve()
+
+
+def _lead(lead: Callable[[Group], T], group: Group) -> T:
+    try:
+        return lead(group)
+    finally:
+        if not group.briefed:  # failed before the ranks got work: let them go
+            try:
+                brief(group, None)
+            except RuntimeError:
+                pass
+
+
+def run_ranks(lead: Callable[[Group | None], T], recipe: TrainerRecipe, processes: int, threads: int | None) -> T | None:
+    """Run a phase on every rank: `lead(group)` on rank 0 (its result is returned; it calls `brief`
+    once), `serve` on the others (None is returned there). Under torchrun the ranks are torchrun's;
+    otherwise `processes` ranks on this machine (1: `lead(None)` in this process alone), each with
+    `threads` CPU threads (None: the cores shared out)."""
+    if launched_by_torchrun():
+        group = join()
+        try:
+            if group.rank > 0:
+                serve(group, recipe)
+                return None
+            return _lead(lead, group)
+        finally:
+            leave()
+    if processes == 1:
+        return lead(None)
+    threads = threads or max(1, (os.cpu_count() or 1) // processes)
+    torch.set_num_threads(threads)
+    port = free_port()
+    workers = spawn_workers(recipe, processes, port, threads)
+    try:
+        group = join(0, processes, "127.0.0.1", port)
+        try:
+            return _lead(lead, group)
+        finally:
+            leave()
+    finally:
+        for w in workers:
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+
+
 # --- starting ranks on this machine --------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -201,33 +275,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_workers(config_json: str, phase: str, world: int, port: int, threads: int) -> list[subprocess.Popen]:
+def spawn_workers(recipe: TrainerRecipe, world: int, port: int, threads: int) -> list[subprocess.Popen]:
     """Start ranks 1..world-1 of a phase on this machine (rank 0 is the caller), as fresh Python
     processes (`python -m fedpipe.engine.distributed`): nothing of the caller's main module is
-    re-imported, so scripts, notebooks and pipeline components all work. The config goes over stdin."""
+    re-imported, so scripts, notebooks and pipeline components all work. The recipe's spec goes over stdin."""
     procs = []
     for rank in range(1, world):
         p = subprocess.Popen(
-            [sys.executable, "-m", "fedpipe.engine.distributed", phase, str(rank), str(world), str(port), str(threads)],
+            [sys.executable, "-m", "fedpipe.engine.distributed", recipe.factory, str(rank), str(world), str(port), str(threads)],
             stdin=subprocess.PIPE, text=True,
         )
-        p.stdin.write(config_json)
+        p.stdin.write(recipe.spec)
         p.stdin.close()
         procs.append(p)
     return procs
 
 
 def _worker_main(argv: list[str]) -> None:
-    from fedpipe.run.config import RunConfig
-    from fedpipe.run.run import Run
-
-    phase, rank, world, port, threads = argv[0], *map(int, argv[1:5])
-    cfg = RunConfig.model_validate(json.loads(sys.stdin.read()))
+    factory, rank, world, port, threads = argv[0], *map(int, argv[1:5])
+    recipe = TrainerRecipe(factory, sys.stdin.read())
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
     group = join(rank, world, "127.0.0.1", port)
     try:
-        Run(cfg).serve(phase, group)
+        serve(group, recipe)
     finally:
         leave()
 

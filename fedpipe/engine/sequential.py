@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from fedpipe.algorithms.base import Algorithm, ClientContext, Slots, Stage
+from fedpipe.engine.schedule import stage_epochs
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,106 @@ def _validation_loss(stage: Stage, slots: Slots, ctx: ClientContext, batch_size:
     return total / max(len(val), 1)
 
 
+@dataclass(frozen=True)
+class LocalOptim:
+    """The run's local optimisation settings, as `train_client` takes them."""
+
+    batch_size: int
+    lr: float
+    optimizer: str
+    momentum: float
+    weight_decay: float
+    amp: bool = False
+
+
+class _Tally:
+    """Sum of batch losses weighted by batch size, and samples seen (kept on the device: no sync per step)."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), device=device)
+        self.seen = 0
+
+    def add(self, loss: torch.Tensor, count: int) -> None:
+        self.loss_sum += loss.detach() * count
+        self.seen += count
+
+    def stats(self) -> ClientStats:
+        return ClientStats(loss=float(self.loss_sum) / max(self.seen, 1), samples=self.seen)
+
+
+class _EarlyStop:
+    """A stage's early stopping: after each epoch, the validation loss; keeps the best epoch's tensors."""
+
+    def __init__(self, stage: Stage, ctx: ClientContext, batch_size: int):
+        self.stage, self.ctx, self.batch_size = stage, ctx, max(batch_size, 256)
+        self.active = stage.early_stopping is not None and len(ctx.data.val) > 0
+        self.best: Slots | None = None
+        self.best_loss, self.waited = float("inf"), 0
+
+    def stop_after_epoch(self, slots: Slots) -> bool:
+        """Record the epoch; True when the stage should stop (no improvement for `patience` epochs)."""
+        if not self.active:
+            return False
+        val_loss = _validation_loss(self.stage, slots, self.ctx, self.batch_size)
+        if val_loss < self.best_loss:
+            self.best_loss, self.waited = val_loss, 0
+            self.best = {name: {k: t.detach().clone() for k, t in slots[name].items()} for name in self.stage.trainable}
+            return False
+        self.waited += 1
+        return self.waited >= self.stage.early_stopping.patience
+
+    def restore_best(self, slots: Slots) -> None:
+        if self.best is not None:
+            for name, tensors in self.best.items():
+                for k, t in tensors.items():
+                    slots[name][k].data.copy_(t)
+
+
+def _own_copies(slots: Slots, trained: set[str], memory_format_cl: bool) -> Slots:
+    """The trained slots copied (the downloaded tensors are shared by other clients), in channels-last
+    layout when asked; frozen slots are read as they are."""
+    slots = {
+        name: {k: (t.detach().clone() if name in trained else t.detach()) for k, t in tensors.items()}
+        for name, tensors in slots.items()
+    }
+    if memory_format_cl:
+        slots = {name: (channels_last(tensors) if name in trained else tensors) for name, tensors in slots.items()}
+    return slots
+
+
+def _train_stage(algorithm: Algorithm, ctx: ClientContext, slots: Slots, stage: Stage, trained: set[str],
+                 opt_cfg: LocalOptim, generator: torch.Generator, tally: _Tally) -> None:
+    """Run one stage in place on `slots`: its epochs (from the shared schedule), with early stopping."""
+    data, device = ctx.data.train, ctx.data.train.y.device
+    for name in trained:  # only this stage's tensors collect gradients
+        for t in slots[name].values():
+            t.requires_grad_(name in stage.trainable)
+    stage_lr = stage.lr if stage.lr is not None else opt_cfg.lr * stage.lr_scale
+    opt = None
+    if not stage.update:
+        params = [t for name in stage.trainable for t in slots[name].values()]
+        opt = make_optimizer(opt_cfg.optimizer, params, stage_lr, opt_cfg.momentum, opt_cfg.weight_decay)
+    early = _EarlyStop(stage, ctx, opt_cfg.batch_size)
+    for epoch in stage_epochs(algorithm, ctx, stage, opt_cfg.batch_size, generator):
+        for step in epoch:
+            x, y = data.x[step.index], data.y[step.index]
+            if stage.update is not None:
+                loss = stage.update(slots, x, y, step.noise, stage_lr)
+            else:
+                with autocast(device, opt_cfg.amp):
+                    loss = stage.loss(slots, x, y, step.noise)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            if stage.after_step is not None:
+                with torch.no_grad():
+                    stage.after_step(slots)
+            tally.add(loss, step.index.numel())
+        if early.stop_after_epoch(slots):
+            break
+    early.restore_best(slots)
+
+
 def train_client(
     algorithm: Algorithm,
     ctx: ClientContext,
@@ -67,67 +168,21 @@ def train_client(
     """Run `stages` on the client's training split and return the trained slots (detached) and statistics.
 
     Trainable slots are copied first, so the downloaded tensors (which other clients share) are
-    never written. Each epoch shuffles with `generator`; the last batch may be smaller (no sample
-    is dropped). A stage with early stopping keeps the tensors of its epoch with the lowest
-    validation loss. `memory_format_cl` trains convolution weights in channels-last layout (the
-    returned tensors are contiguous again); `amp` turns on bf16 autocast on a GPU.
+    never written. Each epoch's shuffle and noise come from `generator` through the shared schedule
+    (`fedpipe.engine.schedule`); the last batch may be smaller (no sample is dropped). A stage with
+    early stopping keeps the tensors of its epoch with the lowest validation loss. `memory_format_cl`
+    trains convolution weights in channels-last layout (the returned tensors are contiguous again);
+    `amp` turns on bf16 autocast on a GPU.
     """
-    data = ctx.data.train
+    opt_cfg = LocalOptim(batch_size, lr, optimizer, momentum, weight_decay, amp)
     trained = {name for stage in stages for name in stage.trainable}
-    slots = {
-        name: {k: (t.detach().clone() if name in trained else t.detach()) for k, t in tensors.items()}
-        for name, tensors in slots.items()
-    }
-    if memory_format_cl:  # the trained copies only: a frozen slot is read in whatever layout it has
-        slots = {name: (channels_last(tensors) if name in trained else tensors) for name, tensors in slots.items()}
-    n = len(data)
-    device = data.y.device
-    loss_sum = torch.zeros((), device=device)
-    seen = 0
+    slots = _own_copies(slots, trained, memory_format_cl)
+    tally = _Tally(ctx.data.train.y.device)
     for stage in stages:
-        params = [t for name in stage.trainable for t in slots[name].values()]
-        for name in trained:  # only this stage's tensors collect gradients
-            for t in slots[name].values():
-                t.requires_grad_(name in stage.trainable)
-        stage_lr = stage.lr if stage.lr is not None else lr * stage.lr_scale
-        opt = None if stage.update else make_optimizer(optimizer, params, stage_lr, momentum, weight_decay)
-        best, best_loss, waited = None, float("inf"), 0
-        for _ in range(stage.epochs):
-            order = torch.randperm(n, generator=generator).to(device)
-            noise = algorithm.batch_noise(ctx, stage, generator) if stage.noise_per == "epoch" else None
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                if stage.noise_per == "batch":
-                    noise = algorithm.batch_noise(ctx, stage, generator)
-                if stage.update is not None:
-                    loss = stage.update(slots, data.x[idx], data.y[idx], noise, stage_lr)
-                else:
-                    with autocast(device, amp):
-                        loss = stage.loss(slots, data.x[idx], data.y[idx], noise)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                if stage.after_step is not None:
-                    with torch.no_grad():
-                        stage.after_step(slots)
-                loss_sum += loss.detach() * idx.numel()
-                seen += idx.numel()
-            if stage.early_stopping is not None and len(ctx.data.val):
-                val_loss = _validation_loss(stage, slots, ctx, max(batch_size, 256))
-                if val_loss < best_loss:
-                    best_loss, waited = val_loss, 0
-                    best = {name: {k: t.detach().clone() for k, t in slots[name].items()} for name in stage.trainable}
-                else:
-                    waited += 1
-                    if waited >= stage.early_stopping.patience:
-                        break
-        if best is not None:
-            for name, tensors in best.items():
-                for k, t in tensors.items():
-                    slots[name][k].data.copy_(t)
+        _train_stage(algorithm, ctx, slots, stage, trained, opt_cfg, generator, tally)
     for name in trained:
         for t in slots[name].values():
             t.requires_grad_(False)
     if memory_format_cl:
         slots = {name: ({k: t.contiguous() for k, t in tensors.items()} if name in trained else tensors) for name, tensors in slots.items()}
-    return slots, ClientStats(loss=float(loss_sum) / max(seen, 1), samples=seen)
+    return slots, tally.stats()

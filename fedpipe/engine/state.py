@@ -5,8 +5,7 @@ A state is plain tensors in nested dicts, saved with `torch.save` and read back 
 
 Clients' states live in a `ClientStates` (fedpipe.engine.client_states) bound to the phase's folder
 and the run's memory budget: a checkpoint either holds them inline (few and small, as always) or
-refers to objects under ``<run>/phases/<phase>/clients/`` (format 2), read back only when a client is
-used. Such a checkpoint is not self-contained: it needs the run's store, which every step and every
+refers to objects in the phase's clients folder (format 2), read back only when a client is used. Such a checkpoint is not self-contained: it needs the run's store, which every step and every
 pipeline task of a run shares anyway.
 """
 
@@ -14,14 +13,14 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from fedpipe.algorithms.base import Params, ServerState
-from fedpipe.engine.client_states import ClientStates
+from fedpipe.engine.client_states import ClientKeys, ClientStates
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store.base import Store
 
@@ -108,42 +107,61 @@ def _cpu(params: Params) -> Params:
     return {k: v.detach().to("cpu") for k, v in params.items()}
 
 
-class Checkpoints:
-    """Per-round checkpoints of one phase, and its final state, in the store.
+class PhaseKeys(ClientKeys, Protocol):
+    """Where one phase's artifacts live in the store. The run layer decides (`fedpipe.run.layout`);
+    the engine only asks."""
 
-    Layout: <run>/phases/<phase>/round-00007.pt while the phase runs, <run>/phases/<phase>/final.pt
-    when it is done (the checkpoints are then removed), and <run>/phases/<phase>/clients/ for the
-    clients' states that did not fit in `state_memory_mb` (see `ClientStates`). An object there is
-    deleted once no kept checkpoint (or the final state) refers to it.
+    @property
+    def folder(self) -> str:
+        """Every key of the phase starts with it."""
+
+    @property
+    def final(self) -> str:
+        """The phase's final state."""
+
+    def round(self, round_: int) -> str:
+        """The checkpoint after `round_`."""
+
+    def round_of(self, key: str) -> int | None:
+        """The round of a checkpoint key; None for another key."""
+
+    @property
+    def clients(self) -> str:
+        """The folder of the phase's spilled client states."""
+
+
+class Checkpoints:
+    """Per-round checkpoints of one phase, and its final state, in the store (where: `layout`).
+
+    A round's checkpoint exists while the phase runs; when it is done the final state does and the
+    checkpoints are removed. The clients' states that did not fit in `state_memory_mb` are objects
+    in the phase's clients folder (see `ClientStates`); one is deleted once no kept checkpoint (or
+    the final state) refers to it.
     """
 
-    ROUND = re.compile(r"round-(\d+)\.pt$")
-
-    def __init__(self, store: Store, run_id: str, phase: str, state_memory_mb: float = 1024):
-        self.store = store
-        self.prefix = f"{run_id}/phases/{phase}/"
-        self.clients_prefix = self.prefix + "clients/"
+    def __init__(self, store: Store, layout: PhaseKeys, state_memory_mb: float = 1024):
+        self.store, self.layout = store, layout
         self.budget_bytes = max(1, int(state_memory_mb * 2**20))
         self._refs: dict[str, set[str]] = {}  # checkpoint key -> the client objects it refers to
 
     @property
     def final_key(self) -> str:
-        return self.prefix + "final.pt"
+        return self.layout.final
 
     def round_keys(self) -> list[tuple[int, str]]:
-        found = [(int(m.group(1)), k) for k in self.store.list(self.prefix) if (m := self.ROUND.search(k))]
+        found = [(r, k) for k in self.store.list(self.layout.folder) if (r := self.layout.round_of(k)) is not None]
         return sorted(found)
 
     def client_states(self, states: Mapping[int, Params] | None, device: torch.device | str) -> ClientStates:
         """`states` (a dict, or another phase's ClientStates) as this phase's ClientStates: within the
         budget, spilling into this phase's folder. Nothing is read or copied."""
-        return ClientStates(self.store, self.clients_prefix, self.budget_bytes, device).adopt(states or {})
+        return ClientStates(self.store, self.layout, self.budget_bytes, device).adopt(states or {})
 
     def _read(self, key: str, device: torch.device | str) -> PhaseState:
         where = self.store.url(key)
 
         def clients(round_: int, inline: dict, refs: dict) -> ClientStates:
-            return ClientStates.restore(self.store, self.clients_prefix, self.budget_bytes, device, round_, inline, refs)
+            return ClientStates.restore(self.store, self.layout, self.budget_bytes, device, round_, inline, refs)
 
         state = PhaseState.from_bytes(self.store.get(key), device, where=where, clients=clients)
         refs = state.clients.referenced_keys()
@@ -181,13 +199,13 @@ class Checkpoints:
         """Delete this phase's client objects that none of the checkpoints `kept` refers to (objects
         of earlier phases are theirs to keep)."""
         needed = set().union(*(self._refs_of(k) for k in kept)) if kept else set()
-        for key in self.store.list(self.clients_prefix):
+        for key in self.store.list(self.layout.clients):
             if key not in needed:
                 self.store.delete(key)
         self._refs = {k: v for k, v in self._refs.items() if k in kept}
 
     def save_round(self, state: PhaseState, keep: int) -> None:
-        key = f"{self.prefix}round-{state.round:05d}.pt"
+        key = self.layout.round(state.round)
         self.store.put(key, state.to_bytes())
         self._refs[key] = _references(state)
         for _, old in self.round_keys()[:-keep]:

@@ -114,29 +114,25 @@ def state_of(job: dict) -> str:
     return f"{state} ({'; '.join(counts)})" if counts else state
 
 
-class PhaseJobLauncher:
-    """One PyTorchJob's life: create (or find again after a retry), wait, clean up, explain a failure."""
+class _JobApi:
+    """The Kubernetes calls on one namespace's PyTorchJobs and their pods: each is one verb of RBAC_RULES."""
 
-    def __init__(self, api_client=None, namespace: str | None = None, poll_seconds: float = 10.0):
+    def __init__(self, api_client, namespace: str):
         from kubernetes import client
 
-        self.api_client = api_client if api_client is not None else connect()
-        self.custom = client.CustomObjectsApi(self.api_client)
-        self.core = client.CoreV1Api(self.api_client)
-        self.namespace = namespace or current_namespace()
-        self.poll_seconds = poll_seconds
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.namespace = namespace
 
-    # -- the calls (each is one verb of RBAC_RULES) -----------------------------------------------
-
-    def _create(self, manifest: dict) -> dict:
+    def create(self, manifest: dict) -> dict:
         return self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, self.namespace, PLURAL, manifest,
                                                            _request_timeout=REQUEST_TIMEOUT)
 
-    def _get(self, name: str) -> dict:
+    def get(self, name: str) -> dict:
         return self.custom.get_namespaced_custom_object(API_GROUP, API_VERSION, self.namespace, PLURAL, name,
                                                         _request_timeout=REQUEST_TIMEOUT)
 
-    def _delete(self, name: str) -> None:
+    def delete(self, name: str) -> None:
         from kubernetes import client
 
         # Foreground: the job is gone only once its pods are, so a recreated job's pods never meet the old ones.
@@ -144,10 +140,49 @@ class PhaseJobLauncher:
                                                     body=client.V1DeleteOptions(propagation_policy="Foreground"),
                                                     _request_timeout=REQUEST_TIMEOUT)
 
-    def _pods(self, name: str) -> list[dict]:
+    def pods(self, name: str) -> list[dict]:
         response = self.core.list_namespaced_pod(self.namespace, label_selector=f"{JOB_NAME_LABEL}={name}",
                                                  _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
         return json.loads(response.data).get("items") or []
+
+    def delete_quietly(self, name: str, where: str) -> None:
+        """Delete the job; a job already gone is fine, any other failure only a warning."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.delete(name)
+        except ApiException as e:
+            if e.status != 404:
+                log.warning("%s could not be deleted: %s", where, _api_message(e))
+
+
+def _shape(manifest: dict) -> str:
+    spec = manifest["spec"]
+    nodes = sum(r.get("replicas", 1) for r in spec["pytorchReplicaSpecs"].values())
+    return f"{nodes} node(s) x {spec.get('nprocPerNode', '1')} process(es)"
+
+
+def _create_error(e, where: str) -> str:
+    message = _api_message(e)
+    if e.status == 404:
+        return (f"Cannot create {where}: the cluster has no {PLURAL}.{API_GROUP}/{API_VERSION} kind ({message}). "
+                "Install the Kubeflow Training Operator (v1.7 or later), or compile the pipeline without --distributed-phase.")
+    if e.status in (401, 403):
+        return (f"Cannot create {where}: the pipeline's service account may not ({message}). Grant it the "
+                "pytorchjobs verbs: the chart's pytorchJob.enabled=true, or manifests/components/pytorchjob.")
+    if e.status in (400, 422):
+        return f"Cannot create {where}: the API server (or the operator's admission webhook) rejected it: {message}"
+    return f"Cannot create {where}: {e.status} {message}"
+
+
+class PhaseJobLauncher:
+    """One PyTorchJob's life: create (or find again after a retry), wait, clean up, explain a failure."""
+
+    def __init__(self, api_client=None, namespace: str | None = None, poll_seconds: float = 10.0):
+        self.api_client = api_client if api_client is not None else connect()
+        self.namespace = namespace or current_namespace()
+        self.api = _JobApi(self.api_client, self.namespace)
+        self.poll_seconds = poll_seconds
 
     # -- the life of a job ------------------------------------------------------------------------
 
@@ -166,19 +201,19 @@ class PhaseJobLauncher:
         except PhaseJobTimeout as e:
             if cleanup == "never":
                 raise
-            self._delete_quietly(name, where)  # a job past its time would hold its GPUs on
+            self.api.delete_quietly(name, where)  # a job past its time would hold its GPUs on
             raise PhaseJobTimeout(f"{e} The job was deleted.") from None
         outcome = finished_as(job)
         delete = cleanup == "always" or (cleanup == "on-success" and outcome == "Succeeded")
         if outcome == "Failed":
             why = self.explain_failure(job)
             if delete:
-                self._delete_quietly(name, where)
+                self.api.delete_quietly(name, where)
             kept = "deleted" if delete else f"kept: kubectl -n {self.namespace} describe pytorchjob {name}"
             raise PhaseJobError(f"{where} failed: {why} (The job was {kept}.)")
         if delete:
             try:
-                self._delete(name)
+                self.api.delete(name)
             except ApiException as e:
                 if e.status != 404:
                     log.warning("%s succeeded but could not be deleted: %s", where, _api_message(e))
@@ -192,14 +227,14 @@ class PhaseJobLauncher:
 
         name = manifest["metadata"]["name"]
         try:
-            self._create(manifest)
-            log.info("created %s: %s", where, self._shape(manifest))
+            self.api.create(manifest)
+            log.info("created %s: %s", where, _shape(manifest))
             return
         except ApiException as e:
             if e.status != 409:
-                raise PhaseJobError(self._create_error(e, where)) from None
+                raise PhaseJobError(_create_error(e, where)) from None
         try:
-            existing = self._get(name)
+            existing = self.api.get(name)
         except ApiException as e:
             raise PhaseJobError(f"{where} exists but cannot be read: {_api_message(e)}") from None
         theirs = (existing.get("metadata", {}).get("annotations") or {}).get(RUN_ID_ANNOTATION)
@@ -211,13 +246,13 @@ class PhaseJobLauncher:
             return
         log.info("%s from an earlier attempt failed: deleting it and starting again", where)
         try:
-            self._delete(name)
+            self.api.delete(name)
         except ApiException as e:
             if e.status != 404:
                 raise PhaseJobError(f"{where} from an earlier attempt failed and cannot be deleted: {_api_message(e)}") from None
         while True:
             try:
-                self._get(name)
+                self.api.get(name)
             except ApiException as e:
                 if e.status == 404:
                     break
@@ -226,28 +261,10 @@ class PhaseJobLauncher:
                 raise PhaseJobError(f"{where} from an earlier attempt is still being deleted; try again later.")
             time.sleep(self.poll_seconds)
         try:
-            self._create(manifest)
+            self.api.create(manifest)
         except ApiException as e:
-            raise PhaseJobError(self._create_error(e, where)) from None
-        log.info("created %s again: %s", where, self._shape(manifest))
-
-    @staticmethod
-    def _shape(manifest: dict) -> str:
-        spec = manifest["spec"]
-        nodes = sum(r.get("replicas", 1) for r in spec["pytorchReplicaSpecs"].values())
-        return f"{nodes} node(s) x {spec.get('nprocPerNode', '1')} process(es)"
-
-    def _create_error(self, e, where: str) -> str:
-        message = _api_message(e)
-        if e.status == 404:
-            return (f"Cannot create {where}: the cluster has no {PLURAL}.{API_GROUP}/{API_VERSION} kind ({message}). "
-                    "Install the Kubeflow Training Operator (v1.7 or later), or compile the pipeline without --distributed-phase.")
-        if e.status in (401, 403):
-            return (f"Cannot create {where}: the pipeline's service account may not ({message}). Grant it the "
-                    "pytorchjobs verbs: the chart's pytorchJob.enabled=true, or manifests/components/pytorchjob.")
-        if e.status in (400, 422):
-            return f"Cannot create {where}: the API server (or the operator's admission webhook) rejected it: {message}"
-        return f"Cannot create {where}: {e.status} {message}"
+            raise PhaseJobError(_create_error(e, where)) from None
+        log.info("created %s again: %s", where, _shape(manifest))
 
     def _wait(self, name: str, where: str, deadline: float, limit: float) -> dict:
         """Poll until the job succeeds or fails; transient API errors are retried until the deadline."""
@@ -257,7 +274,7 @@ class PhaseJobLauncher:
         last_state, job = None, {}
         while True:
             try:
-                job = self._get(name)
+                job = self.api.get(name)
             except ApiException as e:
                 if e.status == 404:
                     raise PhaseJobError(f"{where} disappeared before it finished (deleted by someone else?).") from None
@@ -278,15 +295,6 @@ class PhaseJobLauncher:
                                       f"last seen: {state_of(job) if job else 'unknown'}.")
             time.sleep(self.poll_seconds)
 
-    def _delete_quietly(self, name: str, where: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self._delete(name)
-        except ApiException as e:
-            if e.status != 404:
-                log.warning("%s could not be deleted: %s", where, _api_message(e))
-
     # -- why it failed ----------------------------------------------------------------------------
 
     def explain_failure(self, job: dict) -> str:
@@ -295,25 +303,32 @@ class PhaseJobLauncher:
         from kubernetes.client.exceptions import ApiException
 
         name = job["metadata"]["name"]
-        failed = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"]
-        parts = []
-        if failed:
-            condition = failed[-1]
-            parts.append(f"{condition.get('reason') or 'Failed'}: {condition.get('message') or 'no message'}")
+        parts = _operator_reason(job)
         try:
-            pods = self._pods(name)
+            pods = self.api.pods(name)
         except ApiException as e:
             parts.append(f"(the pods could not be listed for details: {_api_message(e)})")
             pods = []
-        for pod in pods:
-            why = _pod_failure(pod)
-            if why:
-                labels = pod.get("metadata", {}).get("labels") or {}
-                replica = f"{labels.get(REPLICA_TYPE_LABEL, '?')} {labels.get(REPLICA_INDEX_LABEL, '?')}"
-                pod_name = pod["metadata"]["name"]
-                parts.append(f"{replica} (pod {pod_name}): {why}; logs: kubectl -n {self.namespace} logs {pod_name} -c pytorch"
-                             + (" --previous" if "restarted" in why else ""))
+        parts += [_failed_pod_line(pod, why, self.namespace) for pod in pods if (why := _pod_failure(pod))]
         return " ".join(parts) if parts else "the operator gave no reason"
+
+
+def _operator_reason(job: dict) -> list[str]:
+    """The reason and message of the job's latest Failed condition (none when it has none)."""
+    failed = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"]
+    if not failed:
+        return []
+    condition = failed[-1]
+    return [f"{condition.get('reason') or 'Failed'}: {condition.get('message') or 'no message'}"]
+
+
+def _failed_pod_line(pod: dict, why: str, namespace: str) -> str:
+    """One failed pod of the job: its replica, why it failed, and how to read its logs."""
+    labels = pod.get("metadata", {}).get("labels") or {}
+    replica = f"{labels.get(REPLICA_TYPE_LABEL, '?')} {labels.get(REPLICA_INDEX_LABEL, '?')}"
+    pod_name = pod["metadata"]["name"]
+    return (f"{replica} (pod {pod_name}): {why}; logs: kubectl -n {namespace} logs {pod_name} -c pytorch"
+            + (" --previous" if "restarted" in why else ""))
 
 
 def _pod_failure(pod: dict) -> str | None:

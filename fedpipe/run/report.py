@@ -8,38 +8,52 @@ import csv
 import html
 import io
 import json
-from typing import TYPE_CHECKING
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 from fedpipe import plots
 from fedpipe.algorithms.base import Algorithm, Phase
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.evaluation import PersonalizedResult, Scores, evaluate_global, evaluate_personalized
 from fedpipe.engine.state import PhaseState
+from fedpipe.run.config import RunConfig
+from fedpipe.run.layout import RunLayout
+from fedpipe.store import Store
 from fedpipe.telemetry.jsonl import read_rounds
 
-if TYPE_CHECKING:
-    from fedpipe.run.run import Run
+#: put_plot(name, draw): draw(path) renders a PNG to `path`, which goes into the report folder as `name`
+PutPlot = Callable[[str, Callable[[Path], object]], object]
 
 
-def write_report(run: Run, algorithm: Algorithm, state: PhaseState, data: FederatedData, phases: list[Phase]) -> dict:
-    cfg, store, paths = run.cfg, run.store, run.paths
+def put_plot(store: Store, layout: RunLayout, name: str, draw: Callable[[Path], object]) -> str:
+    """Render a plot into a temporary file and store it in the run's report folder; returns its key."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        draw(path)
+        store.put(layout.report(name), path.read_bytes())
+    return layout.report(name)
+
+
+def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Algorithm, state: PhaseState,
+                 data: FederatedData, phases: list[Phase], put_plot: PutPlot) -> dict:
     pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins,
                                  on_global_test=cfg.eval.personalized_on_global_test)
     glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
-    rows = read_rounds(store, [paths.rounds(p.name) for p in phases])
-    summary = build_summary(run, pers, glob, rows, data)
+    rows = read_rounds(store, [layout.rounds(p.name) for p in phases])
+    summary = build_summary(cfg, layout.run_id, pers, glob, rows, data)
 
-    store.put_text(paths.report("summary.json"), json.dumps(summary, indent=2))
-    store.put_text(paths.report("clients.csv"), clients_csv(pers, data))
-    run._put_plot("accuracy.png", lambda p: plots.accuracy_per_round(rows, p, phases, title=summary["title"]))
+    store.put_text(layout.report("summary.json"), json.dumps(summary, indent=2))
+    store.put_text(layout.report("clients.csv"), clients_csv(pers, data))
+    put_plot("accuracy.png", lambda p: plots.accuracy_per_round(rows, p, phases, title=summary["title"]))
     if len(pers.clients[0].candidates) > 1:
-        store.put_text(paths.report(f"{pers.candidate_label}_curve.csv"), curve_csv(pers))
-        run._put_plot(f"{pers.candidate_label}_curve.png", lambda p: plots.candidate_curve(pers, p, title=summary["title"]))
+        store.put_text(layout.report(f"{pers.candidate_label}_curve.csv"), curve_csv(pers))
+        put_plot(f"{pers.candidate_label}_curve.png", lambda p: plots.candidate_curve(pers, p, title=summary["title"]))
     extra = algorithm.report_plots(rows)
     for name, draw in extra.items():
-        run._put_plot(name, draw)
-    store.put_text(paths.report("report.md"), markdown(summary, pers, list(extra)))
-    summary["report"] = store.url(paths.report_dir)
+        put_plot(name, draw)
+    store.put_text(layout.report("report.md"), markdown(summary, pers, list(extra)))
+    summary["report"] = store.url(layout.report_dir)
     return summary
 
 
@@ -47,8 +61,8 @@ def _scores(s: Scores | None) -> dict | None:
     return None if s is None else {"top1": s.accuracy, "top5": s.top5, "loss": s.loss, "ece": s.ece, "n": s.n}
 
 
-def build_summary(run: Run, pers: PersonalizedResult, glob: Scores | None, rows: list[dict], data: FederatedData) -> dict:
-    cfg = run.cfg
+def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: Scores | None, rows: list[dict],
+                  data: FederatedData) -> dict:
     personalized = {
         "mean": pers.mean_accuracy,
         "std": pers.std_accuracy,
@@ -67,7 +81,7 @@ def build_summary(run: Run, pers: PersonalizedResult, glob: Scores | None, rows:
         personalized["test_oracle_mean"] = pers.oracle_mean_accuracy
     return {
         "title": f"{cfg.method.name} on {cfg.data.dataset} ({cfg.partition.scheme}, {data.num_clients} clients, seed {cfg.run.seed})",
-        "run_id": run.paths.run_id,
+        "run_id": run_id,
         "method": cfg.method.name,
         "dataset": cfg.data.dataset,
         "partition": cfg.partition.scheme,

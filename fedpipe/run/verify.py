@@ -15,21 +15,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from fedpipe.errors import CorruptArtifactError, StoreError
+from fedpipe.run.layout import RunLayout
 from fedpipe.store.base import Store, sha256_hex
 
-MANIFEST_NAME = "manifest.json"
 FORMAT = "fedpipe.run-manifest"
-
-
-def manifest_key(run_id: str) -> str:
-    return f"{run_id}/{MANIFEST_NAME}"
 
 
 def write_run_manifest(store: Store, run_id: str) -> dict:
     """List every artifact of the run with its sha256 and size and store the list (one atomic put)."""
-    key = manifest_key(run_id)
+    layout = RunLayout(run_id)
+    key = layout.run_manifest
     artifacts = {}
-    for k in store.list(f"{run_id}/"):
+    for k in store.list(layout.folder):
         if k == key:
             continue
         data = store.get(k)  # checks the hash recorded at write time: never vouch for damaged bytes
@@ -59,7 +56,7 @@ class Verification:
 
 
 def _read_manifest(store: Store, run_id: str) -> dict:
-    key = manifest_key(run_id)
+    key = RunLayout(run_id).run_manifest
     url = store.url(key)
     if not store.exists(key):
         raise StoreError(
@@ -86,8 +83,9 @@ def _read_manifest(store: Store, run_id: str) -> dict:
 
 def verify_run(store: Store, run_id: str) -> Verification:
     """Re-read every artifact the run manifest lists and compare its sha256 and size."""
+    layout = RunLayout(run_id)
     manifest = _read_manifest(store, run_id)
-    result = Verification(run_id, store.url(manifest_key(run_id)))
+    result = Verification(run_id, store.url(layout.run_manifest))
     for key, entry in sorted(manifest["artifacts"].items()):
         if not store.exists(key):
             result.missing.append(key)
@@ -103,6 +101,6 @@ def verify_run(store: Store, run_id: str) -> Verification:
             result.damaged[key] = f"sha256 {digest[:16]}... ({len(data)} bytes), the manifest has {entry['sha256'][:16]}... ({entry['size']} bytes)"
         else:
             result.intact.append(key)
-    listed = set(manifest["artifacts"]) | {manifest_key(run_id)}
-    result.unlisted = [k for k in store.list(f"{run_id}/") if k not in listed]
+    listed = set(manifest["artifacts"]) | {layout.run_manifest}
+    result.unlisted = [k for k in store.list(layout.folder) if k not in listed]
     return result

@@ -85,6 +85,49 @@ def _hashes(sidecar: bytes) -> list[str]:
     return [line.split()[0].lower() for line in text.splitlines() if line.split()]
 
 
+def _replace_file(target: Path, data: bytes) -> None:
+    """Atomically replace `target` with `data` (a fsynced temp file renamed over it)."""
+    tmp = _write_temp(target.parent, data)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _restore_sidecar(sidecar: Path, old: bytes | None, *, had_object: bool) -> None:
+    """After a failed data write: put the previous hash back so the old object still checks."""
+    with contextlib.suppress(OSError):
+        if old is not None and had_object:
+            _replace_file(sidecar, old)
+        elif not had_object:
+            sidecar.unlink(missing_ok=True)
+
+
+def _check_sidecar(path: Path, sidecar: Path, data: bytes) -> None:
+    """Raise CorruptArtifactError unless `data` (read from `path`) has a sha256 its sidecar lists."""
+    try:
+        recorded = _hashes(_read_sidecar(sidecar))
+    except FileNotFoundError:
+        raise CorruptArtifactError(
+            f"The artifact {path} has no recorded sha256 ({sidecar} is missing), so its "
+            "integrity cannot be checked: it was not written by fedpipe or its hash file was "
+            "deleted. Re-run the step that produces it."
+        ) from None
+    except OSError as exc:
+        raise StoreError(f"Could not read the hash file {sidecar}: {exc.strerror or exc}.") from exc
+    expected = recorded[0] if recorded else ""
+    actual = sha256_hex(data)
+    if actual not in recorded:
+        raise CorruptArtifactError(
+            f"The artifact {path} is corrupt: its sha256 is {actual} ({len(data)} bytes) but "
+            f"{expected or 'nothing readable'} was recorded in {sidecar} when it was "
+            "written, so the file was changed or truncated after it was written. Delete it and "
+            "re-run the step that produces it, or restore it from a copy."
+        )
+
+
 class LocalStore(Store):
     """Objects as plain files under `root`, each with its sha256 in a hidden ``.sha256/`` sidecar."""
 
@@ -128,7 +171,7 @@ class LocalStore(Store):
             # between the two renames must not leave an intact old object looking corrupt
             old_digests = _hashes(old_sidecar) if old_sidecar is not None and path.is_file() else []
             pending = entry + "".join(f"{h}  {path.name}\n" for h in dict.fromkeys(old_digests) if h != digest)
-            self._replace(sidecar, pending.encode())
+            _replace_file(sidecar, pending.encode())
             data_tmp = None
             try:
                 data_tmp = _write_temp(path.parent, data)
@@ -137,10 +180,10 @@ class LocalStore(Store):
                 if data_tmp is not None:
                     with contextlib.suppress(OSError):
                         data_tmp.unlink()
-                self._restore_sidecar(sidecar, old_sidecar, had_object=path.is_file())
+                _restore_sidecar(sidecar, old_sidecar, had_object=path.is_file())
                 raise
             if pending != entry:
-                self._replace(sidecar, entry.encode())
+                _replace_file(sidecar, entry.encode())
             _fsync_dir(path.parent)
         except StoreError:
             raise
@@ -150,25 +193,6 @@ class LocalStore(Store):
                 "Check free disk space and permissions on the store folder."
             ) from exc
         return digest
-
-    @staticmethod
-    def _replace(target: Path, data: bytes) -> None:
-        tmp = _write_temp(target.parent, data)
-        try:
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-
-    @staticmethod
-    def _restore_sidecar(sidecar: Path, old: bytes | None, *, had_object: bool) -> None:
-        """After a failed data write: put the previous hash back so the old object still checks."""
-        with contextlib.suppress(OSError):
-            if old is not None and had_object:
-                LocalStore._replace(sidecar, old)
-            elif not had_object:
-                sidecar.unlink(missing_ok=True)
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -183,26 +207,7 @@ class LocalStore(Store):
             raise StoreError(f"{path} is a folder, not an artifact.") from None
         except OSError as exc:
             raise StoreError(f"Could not read the artifact {path}: {exc.strerror or exc}.") from exc
-        sidecar = self._sidecar(path)
-        try:
-            recorded = _hashes(_read_sidecar(sidecar))
-        except FileNotFoundError:
-            raise CorruptArtifactError(
-                f"The artifact {path} has no recorded sha256 ({sidecar} is missing), so its "
-                "integrity cannot be checked: it was not written by fedpipe or its hash file was "
-                "deleted. Re-run the step that produces it."
-            ) from None
-        except OSError as exc:
-            raise StoreError(f"Could not read the hash file {sidecar}: {exc.strerror or exc}.") from exc
-        expected = recorded[0] if recorded else ""
-        actual = sha256_hex(data)
-        if actual not in recorded:
-            raise CorruptArtifactError(
-                f"The artifact {path} is corrupt: its sha256 is {actual} ({len(data)} bytes) but "
-                f"{expected or 'nothing readable'} was recorded in {sidecar} when it was "
-                "written, so the file was changed or truncated after it was written. Delete it and "
-                "re-run the step that produces it, or restore it from a copy."
-            )
+        _check_sidecar(path, self._sidecar(path), data)
         return data
 
     def size(self, key: str) -> int | None:

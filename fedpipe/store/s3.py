@@ -135,117 +135,48 @@ def _parse_endpoint(endpoint: str, secure: bool | None) -> tuple[str, bool]:
     return endpoint, True if secure is None else secure
 
 
-class S3Store(Store):
-    """Objects under ``s3://bucket/prefix/`` on MinIO or any S3-compatible server."""
+def _settings_from_env(bucket: str, prefix: str) -> dict:
+    """`S3Store` keyword arguments from the environment: the endpoint, the credentials, the region and
+    whether to create a missing bucket."""
+    env = os.environ
+    missing = [n for n in (ENV_ENDPOINT, ENV_ACCESS_KEY, ENV_SECRET_KEY) if not env.get(n, "").strip()]
+    if missing:
+        raise StoreError(
+            f"The artifact store s3://{bucket}/{prefix.strip('/')} needs the S3 endpoint and "
+            f"credentials in the environment, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set. Set {ENV_ENDPOINT} (for example "
+            f"http://minio-service.kubeflow:9000), {ENV_ACCESS_KEY} and {ENV_SECRET_KEY} "
+            "(in Kubeflow, from the mlpipeline-minio-artifact secret); fedpipe never reads "
+            "them from config files."
+        )
+    return {
+        "endpoint": env[ENV_ENDPOINT].strip(),
+        "access_key": env[ENV_ACCESS_KEY].strip(),
+        "secret_key": env[ENV_SECRET_KEY].strip(),
+        "region": env.get(ENV_REGION, "").strip() or None,
+        "session_token": env.get(ENV_SESSION_TOKEN, "").strip() or None,
+        "create_bucket": env.get(ENV_CREATE_BUCKET, "1").strip().lower() not in ("0", "false", "no", "off"),
+    }
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        endpoint: str = "",
-        access_key: str | None = None,
-        secret_key: str | None = None,
-        secure: bool | None = None,
-        region: str | None = None,
-        *,
-        session_token: str | None = None,
-        create_bucket: bool = True,
-        retry_seconds: float | None = None,
-        max_attempts: int = MAX_ATTEMPTS,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 120.0,
-    ):
-        try:
-            check_bucket_name(bucket)
-        except (ValueError, TypeError) as exc:
-            raise StoreError(
-                f"S3 bucket name {bucket!r} is not valid ({exc}); bucket names have 3 to 63 "
-                "lower-case letters, digits, '.' and '-'."
-            ) from None
-        prefix = (prefix or "").strip("/")
-        if prefix:
-            validate_key(prefix, what="prefix")
+
+class _S3Calls:
+    """How one store talks to its server: bounded retries on transient errors (tenacity, with a time
+    budget), and every other error turned into a `StoreError` that says what to check. Credentials are
+    scrubbed from every message and log line."""
+
+    def __init__(self, endpoint_url: str, bucket: str, retry_seconds: float, max_attempts: int, secrets: list[str]):
+        self.endpoint_url = endpoint_url
         self.bucket = bucket
-        self.prefix = prefix
-        host, self.secure = _parse_endpoint(endpoint, secure)
-        self.endpoint = host
-        self.endpoint_url = ("https://" if self.secure else "http://") + host
-        self.region = region or None
-        self.create_bucket = create_bucket
-        self.retry_seconds = _retry_seconds_from_env() if retry_seconds is None else float(retry_seconds)
-        self.max_attempts = max(1, int(max_attempts))
-        self._secrets = [s for s in (access_key, secret_key, session_token) if s]
-        self._bucket_ready = False
-        # Retries are done here (tenacity, with a time budget), not inside urllib3.
-        connect = max(0.5, min(connect_timeout, self.retry_seconds or connect_timeout))
-        http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=connect, read=read_timeout),
-            maxsize=10,
-            retries=False,
-            cert_reqs="CERT_REQUIRED",
-            ca_certs=os.environ.get("SSL_CERT_FILE") or _certifi_where(),
-        )
-        try:
-            self._client = Minio(
-                host,
-                access_key=access_key or None,
-                secret_key=secret_key or None,
-                session_token=session_token or None,
-                secure=self.secure,
-                region=self.region,
-                http_client=http,
-            )
-        except ValueError as exc:
-            raise StoreError(
-                f"Cannot set up the S3 client for {self.endpoint_url}: {self._scrub(str(exc))}."
-            ) from None
+        self.retry_seconds = retry_seconds
+        self.max_attempts = max_attempts
+        self._secrets = secrets
 
-    @classmethod
-    def from_env(cls, bucket: str, prefix: str = "", **kwargs) -> S3Store:
-        """Endpoint and credentials from FEDPIPE_S3_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."""
-        env = os.environ
-        missing = [n for n in (ENV_ENDPOINT, ENV_ACCESS_KEY, ENV_SECRET_KEY) if not env.get(n, "").strip()]
-        if missing:
-            raise StoreError(
-                f"The artifact store s3://{bucket}/{prefix.strip('/')} needs the S3 endpoint and "
-                f"credentials in the environment, but {', '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not set. Set {ENV_ENDPOINT} (for example "
-                f"http://minio-service.kubeflow:9000), {ENV_ACCESS_KEY} and {ENV_SECRET_KEY} "
-                "(in Kubeflow, from the mlpipeline-minio-artifact secret); fedpipe never reads "
-                "them from config files."
-            )
-        create = env.get(ENV_CREATE_BUCKET, "1").strip().lower() not in ("0", "false", "no", "off")
-        kwargs.setdefault("create_bucket", create)
-        return cls(
-            bucket,
-            prefix,
-            endpoint=env[ENV_ENDPOINT].strip(),
-            access_key=env[ENV_ACCESS_KEY].strip(),
-            secret_key=env[ENV_SECRET_KEY].strip(),
-            region=env.get(ENV_REGION, "").strip() or None,
-            session_token=env.get(ENV_SESSION_TOKEN, "").strip() or None,
-            **kwargs,
-        )
-
-    def __repr__(self) -> str:
-        return f"S3Store({self.url()!r}, endpoint={self.endpoint_url!r})"
-
-    # -- helpers -------------------------------------------------------------------------------
-
-    def _scrub(self, text: str) -> str:
+    def scrub(self, text: str) -> str:
         for s in self._secrets:
             text = text.replace(s, "***")
         return text
 
-    def _name(self, key: str) -> str:
-        key = validate_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def url(self, key: str = "") -> str:
-        path = "/".join(p for p in (self.prefix, validate_key(key) if key else "") if p)
-        return f"s3://{self.bucket}/{path}" if path else f"s3://{self.bucket}"
-
-    def _describe(self, exc: BaseException) -> str:
+    def describe(self, exc: BaseException) -> str:
         text = str(exc)
         marker = "Failed to establish a new connection: "
         if marker in text:
@@ -255,9 +186,9 @@ class S3Store(Store):
         elif isinstance(exc, S3Error):
             text = f"{exc.code}: {exc.message}"
         text = text.strip().rstrip(")").strip() or type(exc).__name__
-        return self._scrub(text[:200])
+        return self.scrub(text[:200])
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def __call__(self, what: str, fn: Callable[[], T]) -> T:
         """Run `fn` with bounded retries on transient errors; map the rest to StoreError."""
         start = time.monotonic()
         budget = self.retry_seconds
@@ -275,7 +206,7 @@ class S3Store(Store):
                 "S3 server %s did not answer %s (%s); attempt %d of %d, retrying in %.1f s.",
                 self.endpoint_url,
                 what,
-                self._describe(exc) if exc else "error",
+                self.describe(exc) if exc else "error",
                 state.attempt_number,
                 self.max_attempts,
                 state.next_action.sleep if state.next_action else 0.0,
@@ -296,32 +227,32 @@ class S3Store(Store):
         except StoreError:
             raise
         except S3Error as exc:
-            raise self._s3_error(what, exc) from None
+            raise self.s3_error(what, exc) from None
         except MinioException as exc:
             if _is_transient(exc):
-                raise self._unreachable(what, exc, attempts, start) from None
+                raise self.unreachable(what, exc, attempts, start) from None
             raise StoreError(
-                f"The S3 server at {self.endpoint_url} failed {what}: {self._describe(exc)}."
+                f"The S3 server at {self.endpoint_url} failed {what}: {self.describe(exc)}."
             ) from None
         except Exception as exc:
             if _is_transient(exc):
-                raise self._unreachable(what, exc, attempts, start) from None
+                raise self.unreachable(what, exc, attempts, start) from None
             raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _unreachable(self, what: str, exc: BaseException, attempts: int, start: float) -> StoreError:
+    def unreachable(self, what: str, exc: BaseException, attempts: int, start: float) -> StoreError:
         elapsed = time.monotonic() - start
         return StoreError(
             f"Could not reach the S3 / MinIO server at {self.endpoint_url} ({what}): "
             f"{attempts} attempt{'s' if attempts != 1 else ''} over {elapsed:.1f} s failed, the last "
-            f"with: {self._describe(exc)}. Check that {ENV_ENDPOINT} points at the server (in "
+            f"with: {self.describe(exc)}. Check that {ENV_ENDPOINT} points at the server (in "
             "Kubeflow usually http://minio-service.kubeflow:9000) and that its scheme (http or "
             "https) is right, that this machine or pod can reach it over the network, and that "
             f"{ENV_ACCESS_KEY} / {ENV_SECRET_KEY} hold its credentials; set {ENV_RETRY_SECONDS} "
             f"(now {self.retry_seconds:g}) to wait longer."
         )
 
-    def _s3_error(self, what: str, exc: S3Error) -> StoreError:
+    def s3_error(self, what: str, exc: S3Error) -> StoreError:
         if exc.code in _CREDENTIAL_S3_CODES:
             return StoreError(
                 f"The S3 server at {self.endpoint_url} refused {what} ({exc.code}): check that "
@@ -334,29 +265,203 @@ class S3Store(Store):
                 "Create it, or let fedpipe create it (unset "
                 f"{ENV_CREATE_BUCKET}=0), or fix the bucket in the s3:// store URL."
             )
-        return StoreError(f"The S3 server at {self.endpoint_url} failed {what}: {self._describe(exc)}.")
+        return StoreError(f"The S3 server at {self.endpoint_url} failed {what}: {self.describe(exc)}.")
+
+
+class _Bucket:
+    """The minio calls on one bucket, each one retryable unit, with S3's "not there" answers turned
+    into values (or the store's "No artifact" error) and every other error left to `_S3Calls`."""
+
+    def __init__(self, client: Minio, bucket: str, region: str | None):
+        self.client = client
+        self.bucket = bucket
+        self.region = region
+
+    def exists(self) -> bool:
+        return self.client.bucket_exists(self.bucket)
+
+    def create(self) -> None:
+        try:
+            self.client.make_bucket(self.bucket, location=self.region)
+        except S3Error as exc:
+            if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    def put(self, name: str, data: bytes, digest: str) -> None:
+        self.client.put_object(self.bucket, name, io.BytesIO(data), len(data), metadata={META_SHA256: digest})
+
+    def read(self, name: str, where: str) -> tuple[bytes, str | None]:
+        """The object's bytes and the sha256 recorded with it (None when there is none)."""
+        try:
+            resp = self.client.get_object(self.bucket, name)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
+                raise StoreError(
+                    f"No artifact at {where}: it was never written, or was deleted. Run the "
+                    "step that produces it first (or check the store URL)."
+                ) from None
+            raise
+        try:
+            return resp.read(), resp.headers.get(_HEADER_SHA256)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self.client.stat_object(self.bucket, name).size
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound", "NoSuchBucket", "ResourceNotFound"):
+                return None
+            raise
+
+    def names(self, prefix: str) -> list[str]:
+        try:
+            objs = self.client.list_objects(self.bucket, prefix=prefix, recursive=True)
+            return [o.object_name for o in objs if not o.is_dir]
+        except S3Error as exc:
+            if exc.code == "NoSuchBucket":
+                return []
+            raise
+
+    def remove(self, name: str) -> None:
+        try:
+            self.client.remove_object(self.bucket, name)
+        except S3Error as exc:
+            if exc.code not in ("NoSuchKey", "NoSuchBucket"):
+                raise
+
+
+def _check_bucket_name(bucket: str) -> None:
+    try:
+        check_bucket_name(bucket)
+    except (ValueError, TypeError) as exc:
+        raise StoreError(
+            f"S3 bucket name {bucket!r} is not valid ({exc}); bucket names have 3 to 63 "
+            "lower-case letters, digits, '.' and '-'."
+        ) from None
+
+
+def _http_client(connect_timeout: float, read_timeout: float, retry_seconds: float) -> urllib3.PoolManager:
+    # Retries are done by _S3Calls (tenacity, with a time budget), not inside urllib3.
+    connect = max(0.5, min(connect_timeout, retry_seconds or connect_timeout))
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=connect, read=read_timeout),
+        maxsize=10,
+        retries=False,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=os.environ.get("SSL_CERT_FILE") or _certifi_where(),
+    )
+
+
+def _check_sha256(where: str, data: bytes, recorded: str | None) -> None:
+    """Raise CorruptArtifactError unless `data` has the sha256 recorded when it was written."""
+    actual = sha256_hex(data)
+    if not recorded:
+        raise CorruptArtifactError(
+            f"The artifact {where} has no recorded sha256 (no {_HEADER_SHA256} metadata), so "
+            "its integrity cannot be checked: it was not written by fedpipe, or was overwritten "
+            "by another tool after it was written. Re-run the step that produces it."
+        )
+    if actual != recorded.strip().lower():
+        raise CorruptArtifactError(
+            f"The artifact {where} is corrupt: its sha256 is {actual} ({len(data)} bytes) but "
+            f"{recorded.strip()} was recorded when it was written, so the object was changed or "
+            "truncated after it was written. Delete it and re-run the step that produces it."
+        )
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix/`` on MinIO or any S3-compatible server."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint: str = "",
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        secure: bool | None = None,
+        region: str | None = None,
+        *,
+        session_token: str | None = None,
+        create_bucket: bool = True,
+        retry_seconds: float | None = None,
+        max_attempts: int = MAX_ATTEMPTS,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+    ):
+        _check_bucket_name(bucket)
+        prefix = (prefix or "").strip("/")
+        if prefix:
+            validate_key(prefix, what="prefix")
+        self.bucket = bucket
+        self.prefix = prefix
+        host, self.secure = _parse_endpoint(endpoint, secure)
+        self.endpoint = host
+        self.endpoint_url = ("https://" if self.secure else "http://") + host
+        self.region = region or None
+        self.create_bucket = create_bucket
+        budget = _retry_seconds_from_env() if retry_seconds is None else float(retry_seconds)
+        secrets = [s for s in (access_key, secret_key, session_token) if s]
+        self._call = _S3Calls(self.endpoint_url, bucket, budget, max(1, int(max_attempts)), secrets)
+        self._bucket_ready = False
+        try:
+            client = Minio(
+                host,
+                access_key=access_key or None,
+                secret_key=secret_key or None,
+                session_token=session_token or None,
+                secure=self.secure,
+                region=self.region,
+                http_client=_http_client(connect_timeout, read_timeout, budget),
+            )
+        except ValueError as exc:
+            raise StoreError(
+                f"Cannot set up the S3 client for {self.endpoint_url}: {self._call.scrub(str(exc))}."
+            ) from None
+        self._bucket = _Bucket(client, bucket, self.region)
+
+    @classmethod
+    def from_env(cls, bucket: str, prefix: str = "", **kwargs) -> S3Store:
+        """Endpoint and credentials from FEDPIPE_S3_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."""
+        settings = _settings_from_env(bucket, prefix)
+        kwargs.setdefault("create_bucket", settings.pop("create_bucket"))
+        return cls(bucket, prefix, **settings, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url()!r}, endpoint={self.endpoint_url!r})"
+
+    @property
+    def retry_seconds(self) -> float:
+        """How long an unreachable server is retried, in seconds."""
+        return self._call.retry_seconds
+
+    @property
+    def max_attempts(self) -> int:
+        return self._call.max_attempts
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        key = validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def url(self, key: str = "") -> str:
+        path = "/".join(p for p in (self.prefix, validate_key(key) if key else "") if p)
+        return f"s3://{self.bucket}/{path}" if path else f"s3://{self.bucket}"
 
     def _ensure_bucket(self) -> None:
         if self._bucket_ready:
             return
-        if not self._call(
-            f"checking bucket {self.bucket!r}", lambda: self._client.bucket_exists(self.bucket)
-        ):
+        if not self._call(f"checking bucket {self.bucket!r}", self._bucket.exists):
             if not self.create_bucket:
                 raise StoreError(
                     f"The bucket {self.bucket!r} does not exist on {self.endpoint_url} and creating "
                     f"it is turned off ({ENV_CREATE_BUCKET}=0). Create it, or fix the bucket in the "
                     "s3:// store URL."
                 )
-
-            def make() -> None:
-                try:
-                    self._client.make_bucket(self.bucket, location=self.region)
-                except S3Error as exc:
-                    if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                        raise
-
-            self._call(f"creating bucket {self.bucket!r}", make)
+            self._call(f"creating bucket {self.bucket!r}", self._bucket.create)
             log.info("Created bucket %r on %s.", self.bucket, self.endpoint_url)
         self._bucket_ready = True
 
@@ -369,48 +474,14 @@ class S3Store(Store):
         data = bytes(data)
         digest = sha256_hex(data)
         self._ensure_bucket()
-        self._call(
-            f"writing {self.url(key)}",
-            lambda: self._client.put_object(
-                self.bucket, name, io.BytesIO(data), len(data), metadata={META_SHA256: digest}
-            ),
-        )
+        self._call(f"writing {self.url(key)}", lambda: self._bucket.put(name, data, digest))
         return digest
 
     def get(self, key: str) -> bytes:
         name = self._name(key)
         where = self.url(key)
-
-        def fetch() -> tuple[bytes, str | None]:
-            try:
-                resp = self._client.get_object(self.bucket, name)
-            except S3Error as exc:
-                if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
-                    raise StoreError(
-                        f"No artifact at {where}: it was never written, or was deleted. Run the "
-                        "step that produces it first (or check the store URL)."
-                    ) from None
-                raise
-            try:
-                return resp.read(), resp.headers.get(_HEADER_SHA256)
-            finally:
-                resp.close()
-                resp.release_conn()
-
-        data, recorded = self._call(f"reading {where}", fetch)
-        actual = sha256_hex(data)
-        if not recorded:
-            raise CorruptArtifactError(
-                f"The artifact {where} has no recorded sha256 (no {_HEADER_SHA256} metadata), so "
-                "its integrity cannot be checked: it was not written by fedpipe, or was overwritten "
-                "by another tool after it was written. Re-run the step that produces it."
-            )
-        if actual != recorded.strip().lower():
-            raise CorruptArtifactError(
-                f"The artifact {where} is corrupt: its sha256 is {actual} ({len(data)} bytes) but "
-                f"{recorded.strip()} was recorded when it was written, so the object was changed or "
-                "truncated after it was written. Delete it and re-run the step that produces it."
-            )
+        data, recorded = self._call(f"reading {where}", lambda: self._bucket.read(name, where))
+        _check_sha256(where, data, recorded)
         return data
 
     def exists(self, key: str) -> bool:
@@ -418,44 +489,17 @@ class S3Store(Store):
 
     def size(self, key: str) -> int | None:
         name = self._name(key)
-
-        def stat() -> int | None:
-            try:
-                return self._client.stat_object(self.bucket, name).size
-            except S3Error as exc:
-                if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound", "NoSuchBucket", "ResourceNotFound"):
-                    return None
-                raise
-
-        return self._call(f"checking {self.url(key)}", stat)
+        return self._call(f"checking {self.url(key)}", lambda: self._bucket.size(name))
 
     def list(self, prefix: str = "") -> list[str]:
         prefix = validate_prefix(prefix)
         base = f"{self.prefix}/" if self.prefix else ""
-
-        def listing() -> list[str]:
-            try:
-                objs = self._client.list_objects(self.bucket, prefix=base + prefix, recursive=True)
-                return [o.object_name for o in objs if not o.is_dir]
-            except S3Error as exc:
-                if exc.code == "NoSuchBucket":
-                    return []
-                raise
-
-        names = self._call(f"listing {self.url()}/{prefix}", listing)
+        names = self._call(f"listing {self.url()}/{prefix}", lambda: self._bucket.names(base + prefix))
         return sorted(n[len(base) :] for n in names if n.startswith(base) and not n.endswith("/"))
 
     def delete(self, key: str) -> None:
         name = self._name(key)
-
-        def remove() -> None:
-            try:
-                self._client.remove_object(self.bucket, name)
-            except S3Error as exc:
-                if exc.code not in ("NoSuchKey", "NoSuchBucket"):
-                    raise
-
-        self._call(f"deleting {self.url(key)}", remove)
+        self._call(f"deleting {self.url(key)}", lambda: self._bucket.remove(name))
 
 
 def _certifi_where() -> str | None:

@@ -57,7 +57,7 @@ def test_gateway_killed_mid_run_training_finishes_and_counts_what_was_lost(tmp_p
         run = small_run(tmp_path / "store", *OVERRIDES)
         run.partition()
         sink = PrometheusSink(server.url)  # the defaults a run uses: 2 s timeout, 30 s between retries
-        sinks = [JsonlSink(run.store, run.paths.rounds("federation")), StopGatewayAfterRound(server, 1), sink]
+        sinks = [JsonlSink(run.store, run.layout.rounds("federation")), StopGatewayAfterRound(server, 1), sink]
         with caplog.at_level("INFO", logger="fedpipe"):
             state = run.train("federation", telemetry_sinks=sinks)
     finally:

@@ -285,7 +285,7 @@ def test_finished_run_deletes_all_its_groups_and_keeps_other_runs(
 
 def test_groups_stay_for_the_retention_then_go(trained: Path, tmp_path: Path, pushgateway: str):
     run = trained_run(trained, tmp_path, f"telemetry.pushgateway={pushgateway}", "telemetry.pushgateway_retention_seconds=2")
-    run_id = run.paths.run_id
+    run_id = run.layout.run_id
     push_phases(pushgateway, run)
     pushed = time.time()
     errors: list[BaseException] = []
@@ -316,10 +316,10 @@ def test_prometheus_scraped_the_final_values_before_deletion(
     trained: Path, tmp_path: Path, pushgateway: str, prometheus: str
 ):
     run = trained_run(trained, tmp_path, f"telemetry.pushgateway={pushgateway}", "telemetry.pushgateway_retention_seconds=2")
-    sel = f'{{run_id="{run.paths.run_id}",phase="personalization"}}'
+    sel = f'{{run_id="{run.layout.run_id}",phase="personalization"}}'
     push_phases(pushgateway, run, final_round=7)
     run.evaluate()
-    assert groups_of(pushgateway, run.paths.run_id) == []
+    assert groups_of(pushgateway, run.layout.run_id) == []
     # Prometheus holds the final values (scraped while the groups were kept)...
     (final,) = query(prometheus, f"last_over_time(fedpipe_round{sel}[5m])")
     assert float(final["value"][1]) == 7
@@ -341,11 +341,11 @@ def test_unreachable_gateway_evaluation_succeeds_with_one_warning(
     start = time.monotonic()
     summary = run.evaluate()
     assert time.monotonic() - start < 10
-    assert summary["title"] and (tmp_path / run.paths.run_id / "report" / "summary.json").exists()
+    assert summary["title"] and (tmp_path / run.layout.run_id / "report" / "summary.json").exists()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     msg = warnings[0].getMessage()
-    assert url in msg and run.paths.run_id in msg and "Could not delete" in msg
+    assert url in msg and run.layout.run_id in msg and "Could not delete" in msg
 
 
 def test_push_time_ahead_of_the_clock_waits_only_the_retention(pushgateway: str):

@@ -1,0 +1,133 @@
+"""`make_partition`: the global test hold-out, the scheme's split, opt-out, feature shift, per-client splits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedpipe.data import DatasetBundle
+from fedpipe.data.partition._common import _apportion, _check_labels, _floor, _round_half_up, _stream
+from fedpipe.data.partition.feature_shift import feature_transforms
+from fedpipe.data.partition.manifest import ClientSplit, Partition
+from fedpipe.data.partition.schemes import PARTITIONERS, parse_partition_config
+from fedpipe.errors import ConfigError, DataError
+
+
+def _stratified_holdout(labels: np.ndarray, fraction: float, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """round(fraction * N) positions, per class in proportion to its size (largest remainder), at random."""
+    counts = np.bincount(labels, minlength=num_classes)
+    total = _round_half_up(fraction * labels.size)
+    if total < 1 or total >= labels.size:
+        raise DataError(
+            f"partition.global_test_fraction={fraction} of {labels.size} samples gives a global test set of "
+            f"{total} samples; choose a fraction that leaves both a test set and a client pool."
+        )
+    quota = _apportion(total, counts.astype(np.float64))
+    picks = [rng.permutation(np.flatnonzero(labels == c))[: quota[c]] for c in range(num_classes)]
+    return np.sort(np.concatenate(picks)).astype(np.int64)
+
+
+def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
+    """Divide `bundle` over clients according to `cfg` (a PartitionConfig or its mapping).
+
+    Global test set: `bundle.test` when present (recorded as None), else a stratified hold-out of
+    `cfg.global_test_fraction` of `bundle.train`. The rest of `bundle.train` is partitioned by the
+    scheme. Each client's samples are shuffled and split: test = floor(test_fraction * n),
+    val = floor(val_fraction * n), train = the rest (so train >= 1 for any non-empty client; an
+    empty client raises DataError). round(opt_out_fraction * K) clients, halves up, drawn at random
+    are opt-out; at least one client must stay in the federation. Every draw comes from a
+    SeedSequence-derived stream of `seed` (one per purpose), so the result is a pure function of
+    (bundle, cfg, seed)."""
+    cfg = parse_partition_config(cfg)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"the partition seed must be a non-negative integer, got {seed!r}.")
+    seed = int(seed)
+    labels = _check_labels(bundle.train.y, bundle.num_classes)
+    if labels.size == 0:
+        raise DataError(f"dataset {bundle.name!r} has no training samples to partition.")
+    holdout, pool = _global_test_and_pool(bundle, labels, cfg, seed)
+    partitioner = PARTITIONERS[cfg.scheme]
+    local = partitioner(labels[pool], bundle.num_classes, _stream(seed, "scheme"), **cfg.partitioner_params())
+    k = len(local)
+    if k == 0:
+        raise DataError(f"partition scheme {cfg.scheme} produced no clients.")
+    opt_out = _opt_out(cfg, k, _stream(seed, "opt_out"))
+    transforms = feature_transforms(cfg, bundle, k, _stream(seed, "feature_shift"))
+    split_rng = _stream(seed, "splits")
+    clients = tuple(
+        _client_split(i, pool[np.asarray(positions, dtype=np.int64)], cfg, labels, bundle.num_classes, split_rng,
+                      opt_out=bool(opt_out[i]), transform=transforms[i])
+        for i, positions in enumerate(local)
+    )
+    return Partition(
+        dataset=bundle.name,
+        fingerprint=bundle.fingerprint,
+        seed=seed,
+        config=cfg,
+        num_classes=bundle.num_classes,
+        pool_size=labels.size,
+        clients=clients,
+        global_test_indices=holdout,
+    )
+
+
+def _global_test_and_pool(bundle: DatasetBundle, labels: np.ndarray, cfg: Any, seed: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """The global test hold-out (None: the official test split) and the rows left to the clients."""
+    n = labels.size
+    if bundle.test is not None:
+        return None, np.arange(n, dtype=np.int64)
+    holdout = _stratified_holdout(labels, cfg.global_test_fraction, bundle.num_classes, _stream(seed, "holdout"))
+    mask = np.ones(n, dtype=bool)
+    mask[holdout] = False
+    return holdout, np.flatnonzero(mask)
+
+
+def _opt_out(cfg: Any, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(k,) flags: round(opt_out_fraction * k) clients, halves up, drawn from `rng`; one must stay in."""
+    n_opt = _round_half_up(cfg.opt_out_fraction * k)
+    if n_opt >= k:
+        raise DataError(
+            f"partition.opt_out_fraction={cfg.opt_out_fraction} of {k} clients makes all {n_opt} clients "
+            "opt out, leaving none to train the federated model; lower opt_out_fraction."
+        )
+    opt_out = np.zeros(k, dtype=bool)
+    opt_out[rng.choice(k, n_opt, replace=False)] = True
+    return opt_out
+
+
+def _client_split(
+    i: int,
+    rows: np.ndarray,
+    cfg: Any,
+    labels: np.ndarray,
+    num_classes: int,
+    split_rng: np.random.Generator,
+    *,
+    opt_out: bool,
+    transform: str | None,
+) -> ClientSplit:
+    """Client i's rows shuffled by `split_rng` and cut into test, val (both rounded down) and train."""
+    size = rows.size
+    if size == 0:
+        raise DataError(
+            f"partition scheme {cfg.scheme} left client {i} without samples; every client needs at least "
+            "one training sample. Use fewer clients or a less extreme setting."
+        )
+    rows = split_rng.permutation(rows)
+    n_test = _floor(cfg.test_fraction * size)
+    n_val = _floor(cfg.val_fraction * size)
+    n_train = size - n_test - n_val
+    if n_train < 1:  # cannot happen while val_fraction + test_fraction < 1; kept as a guard
+        raise DataError(
+            f"client {i} has {size} samples and would keep no training sample; lower val_fraction/test_fraction."
+        )
+    return ClientSplit(
+        id=i,
+        train=np.sort(rows[:n_train]),
+        val=np.sort(rows[n_train : n_train + n_val]),
+        test=np.sort(rows[n_train + n_val :]),
+        opt_out=opt_out,
+        label_counts=np.bincount(labels[rows], minlength=num_classes).astype(np.int64),
+        transform=transform,
+    )

@@ -1,0 +1,88 @@
+"""Where a run's artifacts live in the store: every key of a run is spelled here and nowhere else.
+
+    <run>/run.json                          the run record (one config per run)
+    <run>/partition/manifest.json           the partition
+    <run>/phases/<phase>/round-00007.pt     a phase's checkpoint after round 7 (while it runs)
+    <run>/phases/<phase>/final.pt           a phase's final state
+    <run>/phases/<phase>/clients/c00012-r00007-<sha256[:16]>.pt   a spilled client state
+    <run>/report/...                        the report; rounds-<phase>.jsonl, one line per round
+    <run>/manifest.json                     the run manifest, written last (`fedpipe verify`)
+
+The engine knows only a phase's keys, through the `fedpipe.engine.state.PhaseKeys` protocol that
+`RunLayout.phase` satisfies.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_ROUND = re.compile(r"round-(\d+)\.pt$")
+_CLIENT = re.compile(r"c(\d+)-r(\d+)-([0-9a-f]{16})\.pt$")
+
+
+@dataclass(frozen=True)
+class PhaseLayout:
+    """One phase's folder: its checkpoints, its final state and its spilled client states."""
+
+    folder: str  # ends with "/"
+
+    @property
+    def final(self) -> str:
+        return self.folder + "final.pt"
+
+    def round(self, round_: int) -> str:
+        return f"{self.folder}round-{round_:05d}.pt"
+
+    def round_of(self, key: str) -> int | None:
+        m = _ROUND.search(key)
+        return int(m.group(1)) if m else None
+
+    @property
+    def clients(self) -> str:
+        return self.folder + "clients/"
+
+    def client_state(self, client_id: int, round_: int, digest: str) -> str:
+        return f"{self.clients}c{client_id:05d}-r{round_:05d}-{digest}.pt"
+
+    @staticmethod
+    def client_state_of(key: str) -> tuple[int, int, str] | None:
+        """(client, round, digest) named by a client-state key of any phase; None for another key."""
+        m = _CLIENT.search(key) if isinstance(key, str) else None
+        return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The keys of run `run_id`."""
+
+    run_id: str
+
+    @property
+    def folder(self) -> str:
+        return f"{self.run_id}/"
+
+    @property
+    def run_record(self) -> str:
+        return f"{self.run_id}/run.json"
+
+    @property
+    def partition_manifest(self) -> str:
+        return f"{self.run_id}/partition/manifest.json"
+
+    @property
+    def run_manifest(self) -> str:
+        return f"{self.run_id}/manifest.json"
+
+    @property
+    def report_dir(self) -> str:
+        return f"{self.run_id}/report"
+
+    def report(self, name: str) -> str:
+        return f"{self.report_dir}/{name}"
+
+    def rounds(self, phase: str) -> str:
+        return self.report(f"rounds-{phase}.jsonl")
+
+    def phase(self, name: str) -> PhaseLayout:
+        return PhaseLayout(f"{self.run_id}/phases/{name}/")
