@@ -1,7 +1,7 @@
 # The two commands of the README, plus their parts (services: Prometheus, Pushgateway, S3 test server, helm, kubectl).
 #   make run    set up .venv and run the embedded default (SuPerFed-MM on mnist5k, 20 clients)
 #   make test   set up .venv with the test tools, the test services and the container image, then run the tests
-.PHONY: run test setup setup-test services images clean
+.PHONY: run test setup setup-test services images clean bench-peers
 
 PYTEST_ARGS ?=
 
@@ -27,3 +27,7 @@ images:
 
 clean:
 	rm -rf .venv runs .pytest_cache .hypothesis
+
+# fedpipe's engines beside a bare PyTorch loop and Flower's simulation (its own venv in .cache/bench-flower), ~15 min on 2 cores.
+bench-peers: setup
+	.venv/bin/python benchmarks/peers.py --out benchmarks/results/peers.md

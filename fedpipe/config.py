@@ -8,7 +8,7 @@ parameters each dataset, partition scheme, network and method declares beside it
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -87,17 +87,20 @@ class EngineConfig(Section):
     tolerance whatever is chosen here (so it is left out of the run's fingerprint)."""
 
     clients: Literal["auto", "batched", "sequential"] = "auto"
-    """How a round's clients are trained in one process: sequential (one after another), batched
-    (many at once with torch.func.vmap, one stacked model per chunk), or auto: time both on the first
-    round of the phase and keep the faster (the log says which and why). The two agree within float
-    tolerance, not bit for bit: name one for bitwise-identical reruns."""
+    """How a round's clients are trained in each process: sequential (one after another), batched
+    (many at once with torch.func.vmap, one stacked model per chunk), or auto: batched on a GPU, one
+    by one on a CPU (decided from the device, never from timings, so a config and seed always compute
+    the same numbers; the log says what was chosen and why). The two agree within float tolerance,
+    not bit for bit."""
     chunk: int = Field(32, ge=1)
     """Batched mode: at most this many clients share one stacked step (bounds memory)."""
-    processes: int = Field(1, ge=1)
+    processes: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     """Worker processes for one phase on this machine (torch.distributed, gloo on CPU): the round's
-    clients are spread over them and their uploads all-reduced. Under torchrun the world size comes
-    from torchrun instead. On a CPU, 2 single-threaded processes on 2 cores beat 1 process with 2 threads
-    for small models."""
+    clients are spread over them and their uploads all-reduced. auto: on a CPU with 2+ usable cores
+    (affinity and container CPU limit) and a round of 5,000+ training samples, one single-threaded
+    process per core (at most one per client); else 1 (`fedpipe.engine.choice`). The choice is
+    recorded beside the phase's checkpoints (engine.json) and reused by reruns and resumes. Under
+    torchrun the world size comes from torchrun instead."""
     state_memory_mb: float = Field(1024, gt=0)
     """Clients' persistent states (SuPerFed's local models, pFedMB's alphas, ...) kept in memory up to
     this size; the least recently used beyond it spill to the store (<run>/phases/<phase>/clients/,

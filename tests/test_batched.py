@@ -74,14 +74,6 @@ def test_methods_that_cannot_be_batched_train_one_by_one_and_say_why(tmp_path, c
         assert torch.equal(one.server.global_params[k], batched.server.global_params[k])
 
 
-def test_auto_measures_both_ways_and_says_which_it_picked(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="fedpipe.engine.clients"):
-        train_all(small_run(tmp_path, "method.name=fedavg", "train.rounds=1", "engine.clients=auto"))
-    picked = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Client training:")]
-    assert len(picked) == 1, picked
-    assert "samples/s batched" in picked[0] and "one by one" in picked[0] and "on cpu for fedavg" in picked[0]
-
-
 def test_masked_sgd_is_torch_sgd_on_active_rows_and_leaves_the_others():
     torch.manual_seed(0)
     p0 = torch.randn(3, 4)

@@ -1,6 +1,7 @@
 """Training a round's clients in one process: one by one, or batched (`fedpipe.engine.batched`),
-whichever `engine.clients` asks for; `auto` times both on the first round and keeps the faster.
-The two ways agree within float tolerance, not bitwise: for bit-for-bit reruns name one of them.
+whichever `engine.clients` asks for (`auto`: `fedpipe.engine.choice.clients_mode`, from the device,
+never from timings). The two ways agree within float tolerance, not bitwise; a method whose stages
+cannot be batched falls back to one by one, which depends only on the method.
 
 A client that fails (raises, or returns non-finite weights) becomes an outcome with an error: it is
 left out of the round, not the end of the run.
@@ -9,7 +10,6 @@ left out of the round, not the end of the run.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Slo
 from fedpipe.config import EngineConfig, TrainConfig
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
+from fedpipe.engine.choice import clients_mode
 from fedpipe.engine.sequential import ClientStats, train_client
 from fedpipe.errors import FedpipeError
 from fedpipe.seeding import torch_generator
@@ -68,7 +69,7 @@ class ClientTrainer:
         self.train_cfg, self.engine, self.seed = train, engine, seed
         self.by_id = {c.client_id: c for c in data.clients}
         self.device = data.global_test.y.device
-        self.mode = engine.clients  # "auto" until the first round with two clients or more decides
+        self.mode = clients_mode(engine.clients, self.device.type)
         convolutional = any(isinstance(m, nn.Conv2d) for m in algorithm.model.modules())
         self.channels_last = engine.channels_last == "on" or (engine.channels_last == "auto" and convolutional)
         self.amp = engine.amp == "bf16"
@@ -175,31 +176,7 @@ class ClientTrainer:
                 return outcomes
             self._settle("sequential", f"clients cannot be batched for {self.algorithm.name} in phase {self.phase.name!r}: {outcomes}")
             return [self.train_one(w, round_, lr) for w in works]
-        return self._measure(works, round_, lr)
-
-    def _measure(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:
-        """auto: the first `engine.chunk` clients of the phase's first round (two at least) train both
-        ways, each timed; the faster way (training samples per second) keeps its results and trains
-        the rest of the phase. The results are those of one way only: what the run computes does
-        not depend on the race, only which of two float-tolerance-equal ways computed it."""
-        if len(works) < 2:
-            return [self.train_one(w, round_, lr) for w in works]
-        probe, rest = works[: max(2, self.engine.chunk)], works[max(2, self.engine.chunk) :]
-        t0 = time.perf_counter()
-        one_by_one = [self.train_one(w, round_, lr) for w in probe]
-        t1 = time.perf_counter()
-        batched = self.train_batched(probe, round_, lr)
-        t2 = time.perf_counter()
-        if isinstance(batched, str):
-            self._settle("sequential", f"one by one: clients cannot be batched for {self.algorithm.name} in phase {self.phase.name!r} ({batched})")
-            return one_by_one + [self.train_one(w, round_, lr) for w in rest]
-        samples = sum(o.stats.samples for o in one_by_one if o.stats)
-        rate_b, rate_s = samples / max(t2 - t1, 1e-9), samples / max(t1 - t0, 1e-9)
-        mode = "batched" if rate_b > rate_s else "sequential"
-        self._settle(mode, f"{'batched' if mode == 'batched' else 'one by one'}: on {self.device.type} for {self.algorithm.name} "
-                           f"in phase {self.phase.name!r}, {len(probe)} clients of round {round_} trained at {rate_b:,.0f} "
-                           f"samples/s batched and {rate_s:,.0f} one by one")
-        return (batched if mode == "batched" else one_by_one) + self.train(rest, round_, lr)
+        raise ValueError(f"unknown client training mode {self.mode!r}")
 
     def _settle(self, mode: str, why: str) -> None:
         self.mode = mode

@@ -4,6 +4,7 @@
     <run>/partition/manifest.json           the partition
     <run>/phases/<phase>/round-00007.pt     a phase's checkpoint after round 7 (while it runs)
     <run>/phases/<phase>/final.pt           a phase's final state
+    <run>/phases/<phase>/engine.json        how its clients are trained, when the config says auto
     <run>/phases/<phase>/clients/c00012-r00007-<sha256[:16]>.pt   a spilled client state
     <run>/report/...                        the report; rounds-<phase>.jsonl, one line per round
     <run>/manifest.json                     the run manifest, written last (`fedpipe verify`)
@@ -30,6 +31,11 @@ class PhaseLayout:
     @property
     def final(self) -> str:
         return self.folder + "final.pt"
+
+    @property
+    def engine_choice(self) -> str:
+        """How the phase's clients are trained when the config says auto (`fedpipe.engine.choice`)."""
+        return self.folder + "engine.json"
 
     def round(self, round_: int) -> str:
         return f"{self.folder}round-{round_:05d}.pt"

@@ -20,17 +20,19 @@ from fedpipe.data.datasets import load_dataset
 from fedpipe.data.federated import FederatedData, prepare_data
 from fedpipe.data.partition import Partition, make_partition
 from fedpipe.engine import distributed
+from fedpipe.engine.choice import EngineChoice, choose, clients_mode, usable_cores
 from fedpipe.engine.clients import ClientTrainer
 from fedpipe.engine.distributed import DistributedRound, TrainerRecipe
 from fedpipe.engine.rounds import run_phase
 from fedpipe.engine.state import Checkpoints, PhaseState
-from fedpipe.errors import ConfigError
+from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.nn.networks import build_model
 from fedpipe.run import callbacks, inputs, record
 from fedpipe.run.config import RunConfig
 from fedpipe.run.layout import RunLayout
 from fedpipe.run.report import put_plot, write_report
 from fedpipe.run.verify import write_run_manifest
+from fedpipe.safe_load import MAX_RECORD_BYTES, read_store_json
 from fedpipe.seeding import derive_seed
 from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
@@ -50,6 +52,7 @@ class Run:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self._bundle: DatasetBundle | None = None
+        self.unrecorded_choice: EngineChoice | None = None  # decided by `train`, written once the phase has read its inputs
 
     # --- building blocks --------------------------------------------------------------------------
     @property
@@ -129,10 +132,17 @@ class Run:
         Under torchrun (or a PyTorchJob) every rank calls this: rank 0 runs the phase and returns its
         state, the other ranks train the clients rank 0 hands them and return None. Otherwise
         `engine.processes > 1` starts that many ranks on this machine (`distributed.run_ranks`)."""
-        spec = json.dumps({"config": self.cfg.model_dump(mode="json"), "phase": phase_name})
+        choice = None if distributed.launched_by_torchrun() else engine_choice(self, phase_name)
+        run = self if choice is None else Run(self.cfg.model_copy(update={"engine": self.cfg.engine.model_copy(
+            update={"clients": choice.clients, "processes": choice.processes})}), self.store)
+        run._bundle = self._bundle
+        run.unrecorded_choice = choice if choice is not None and not choice.recorded else None
+        spec = json.dumps({"config": run.cfg.model_dump(mode="json"), "phase": phase_name})
         recipe = TrainerRecipe("fedpipe.run.run:rank_trainer", spec)
-        lead = lambda group: train_phase(self, phase_name, telemetry_sinks, group)  # noqa: E731
-        return distributed.run_ranks(lead, recipe, self.cfg.engine.processes, self.cfg.run.threads)
+        lead = lambda group: train_phase(run, phase_name, telemetry_sinks, group)  # noqa: E731
+        processes = 1 if choice is None else choice.processes
+        threads = self.cfg.run.threads or (None if choice is None else choice.threads)
+        return distributed.run_ranks(lead, recipe, processes, threads)
 
     def default_sinks(self, phase: str) -> list:
         sinks: list = [JsonlSink(self.store, self.layout.rounds(phase))]
@@ -214,6 +224,8 @@ def train_phase(run: Run, phase_name: str, telemetry_sinks: list | None, group: 
         start = resumed
     # the clients' states within engine.state_memory_mb, the rest spilled into this phase's folder
     start.clients = ckpt.client_states(start.clients, device)
+    if run.unrecorded_choice is not None:
+        run.store.put_text(run.layout.phase(phase.name).engine_choice, json.dumps(run.unrecorded_choice.to_json(), indent=2))
     distributed.brief(group, partition.to_manifest())
     trainer = run.trainer(algorithm, phase, data)
     ranks = DistributedRound(group, trainer) if group is not None else None
@@ -233,6 +245,42 @@ def train_phase(run: Run, phase_name: str, telemetry_sinks: list | None, group: 
             ranks.stop()
     log.info("Phase %s: client states %s", phase.name, getattr(state.clients, "stats", len(state.clients)))
     return state
+
+
+def engine_choice(run: Run, phase_name: str) -> EngineChoice:
+    """engine.clients and engine.processes resolved for a phase: what an earlier attempt of the phase
+    recorded (a rerun or resume computes what the first attempt computed), else decided from static
+    facts (`fedpipe.engine.choice`) and recorded. Only `auto` fields are resolved."""
+    e, key = run.cfg.engine, run.layout.phase(phase_name).engine_choice
+    if e.clients != "auto" and e.processes != "auto":  # nothing to decide, nothing to record
+        return EngineChoice(e.clients, e.processes, None, "as configured", recorded=True)
+    phase, _ = _phase_and_start(run, phase_name)
+    run.check_record(create=False)  # the run's own errors first (not partitioned, another config)
+    if run.store.exists(key):
+        tree = read_store_json(run.store, key, "engine choice", MAX_RECORD_BYTES, CorruptArtifactError, "Delete it to choose again.")
+        try:
+            made = EngineChoice.from_json(tree, recorded=True)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise CorruptArtifactError(f"{run.store.url(key)} is not a valid engine choice. Delete it to choose again.") from None
+        resolved = EngineChoice(made.clients if e.clients == "auto" else e.clients, made.processes if e.processes == "auto" else e.processes,
+                                made.threads if e.processes == "auto" else None, made.why, recorded=True)
+        log.info("Phase %s: %s (%s; recorded in %s).", phase_name, _mode_words(resolved), resolved.why, run.store.url(key))
+        return resolved
+    if run.checkpoints(phase_name).has_final():  # nothing left to train: nothing to decide
+        return EngineChoice(clients_mode(e.clients, run.device.type), 1, None, "the phase has finished", recorded=True)
+    clients = run.load_partition().clients
+    pool = [c for c in clients if not (phase.communicates and c.opt_out)]
+    per_round = min(len(pool), max(1, round(run.cfg.train.client_fraction * len(clients)))) if phase.sample_clients else len(pool)
+    mean_train = sum(len(c.train) for c in pool) / max(len(pool), 1)
+    made = choose(clients=e.clients, processes=e.processes, threads=None, device_type=run.device.type, cores=usable_cores(),
+                  clients_per_round=per_round, samples_per_round=round(per_round * mean_train * run.cfg.train.local_epochs))
+    log.info("Phase %s: %s (%s).", phase_name, _mode_words(made), made.why)
+    return made  # recorded by train_phase once the phase's inputs have been read (bad input writes nothing)
+
+
+def _mode_words(choice: EngineChoice) -> str:
+    ways = "batched" if choice.clients == "batched" else "one by one"
+    return f"clients trained {ways} in {choice.processes} process{'es' * (choice.processes > 1)}"
 
 
 def rank_trainer(spec: str, briefing: dict, device: torch.device) -> ClientTrainer:

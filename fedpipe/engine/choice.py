@@ -1,0 +1,91 @@
+"""How a phase's clients are trained when the config says `auto`: decided from facts that do not
+change from one run of a config to the next, never from timings.
+
+The engines agree within float tolerance, not bit for bit, so a choice made by timing them (as this
+project once did) made a run's numbers depend on the machine's load. Here `auto` looks at:
+
+- the device: on a GPU, clients train batched (`torch.func.vmap`; a method whose stages cannot be
+  batched falls back to one by one, also deterministically) in one process;
+- on a CPU, the usable cores (affinity and the cgroup CPU quota of a container) and the work of a
+  round: with two cores or more and a round that trains at least `MIN_SAMPLES_FOR_PROCESSES`
+  samples, one single-threaded process per core (at most one per client of the round), each
+  training its clients one by one. Below that, starting the workers (about 3 s a phase: Python,
+  torch and the dataset in each) costs more than they save.
+
+The run records the choice beside the phase's checkpoints and reruns and resumes reuse it, so a
+run continued on a machine with other cores still computes what it began computing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_SAMPLES_FOR_PROCESSES = 5_000
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The resolved way to train a phase: how each process trains its clients, how many processes,
+    and the CPU threads of each (None: PyTorch's default)."""
+
+    clients: str  # "batched" or "sequential"
+    processes: int
+    threads: int | None
+    why: str
+    recorded: bool = False  # already in the run's record (or nothing to record)
+
+    def to_json(self) -> dict:
+        return {"clients": self.clients, "processes": self.processes, "threads": self.threads, "why": self.why}
+
+    @classmethod
+    def from_json(cls, d: dict, recorded: bool = False) -> EngineChoice:
+        return cls(str(d["clients"]), int(d["processes"]), None if d.get("threads") is None else int(d["threads"]), str(d.get("why", "")), recorded)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may use: its affinity mask, bounded by a cgroup v2 CPU quota (a pod's
+    CPU limit shows as cpu.max, while os.cpu_count() reports the node's cores)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def clients_mode(requested: str, device_type: str) -> str:
+    """engine.clients resolved: `auto` is batched on a GPU, one by one on a CPU."""
+    if requested != "auto":
+        return requested
+    return "batched" if device_type == "cuda" else "sequential"
+
+
+def choose(
+    *,
+    clients: str,
+    processes: int | str,
+    threads: int | None,
+    device_type: str,
+    cores: int,
+    clients_per_round: int,
+    samples_per_round: int,
+) -> EngineChoice:
+    """Resolve `engine.clients` and `engine.processes` (either may be `auto`) from static facts."""
+    mode = clients_mode(clients, device_type)
+    if processes != "auto":
+        return EngineChoice(mode, int(processes), threads, f"engine.processes={processes} as configured")
+    if device_type == "cuda":
+        return EngineChoice(mode, 1, threads, "one process on the GPU")
+    world = min(cores, clients_per_round)
+    if world < 2 or samples_per_round < MIN_SAMPLES_FOR_PROCESSES:
+        why = (f"one process: {cores} usable CPU core{'s' * (cores != 1)}, {clients_per_round} clients and "
+               f"{samples_per_round:,} training samples a round (processes pay from {MIN_SAMPLES_FOR_PROCESSES:,} on 2+ cores)")
+        return EngineChoice(mode, 1, threads, why)
+    why = (f"{world} single-threaded processes: {cores} usable CPU cores, {clients_per_round} clients and "
+           f"{samples_per_round:,} training samples a round")
+    return EngineChoice(mode, world, threads or 1, why)
