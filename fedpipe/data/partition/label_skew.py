@@ -152,15 +152,9 @@ def classes_per_client(
             "num_clients or classes_per_client."
         )
     by_class = _class_indices(labels, num_classes, rng)
-    taken = np.zeros(num_classes, dtype=np.int64)
-    out = []
-    for i in range(num_clients):
-        parts = []
-        for c in sets[i]:
-            parts.append(by_class[c][taken[c] : taken[c] + per_class])
-            taken[c] += per_class
-        out.append(np.sort(np.concatenate(parts)))
-    return out
+    demand = np.zeros((num_clients, num_classes), dtype=np.int64)
+    np.add.at(demand, (np.arange(num_clients)[:, None], sets), per_class)
+    return _take_per_class(by_class, demand)
 
 
 def majority_class(
