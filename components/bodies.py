@@ -4,6 +4,11 @@ A task reads its input artifacts (files KFP hands it), brings them into the run'
 store lacks them, runs the library step (`fedpipe.run.run.Run`), and copies the step's outputs into
 its output artifact files. The store (a folder, or MinIO on a cluster) keeps the per-round
 checkpoints, so a task that is retried resumes where its last attempt stopped.
+
+A phase's state (global model and every client's state: the largest thing a run writes) stays in the
+run's store: between tasks it travels as a pointer (store URL, key, sha256, size; a few hundred bytes),
+so KFP's artifact store does not hold a second copy and the next task downloads nothing into its
+pod's disk. The next task checks the pointer against its own store before it trusts the state.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from fedpipe.run.config import RunConfig, load_config
 from fedpipe.run.layout import RunLayout
 from fedpipe.run.report import render_html, summary_lines
 from fedpipe.run.run import Run
-from fedpipe.safe_load import parse_yaml
+from fedpipe.safe_load import parse_json, parse_yaml, read_file
 from fedpipe.store.base import sha256_hex
 from fedpipe.telemetry.progress import log_to_stderr
 
@@ -97,6 +102,66 @@ def _bring_in(run: Run, key: str, in_path: str) -> None:
         )
 
 
+POINTER_FORMAT = "fedpipe.state-pointer/v1"
+POINTER_LIMIT = 16 * 1024  # a pointer is a few hundred bytes; anything larger is not one
+
+
+def write_pointer(run: Run, key: str, out_path: str) -> dict:
+    """The output artifact of a phase: where its state is in the run's store and what it must hash to."""
+    data = run.store.get(key)  # the store checks its own hash on the way
+    pointer = {"format": POINTER_FORMAT, "store": run.store.url(), "key": key, "url": run.store.url(key),
+               "sha256": sha256_hex(data), "size": len(data)}
+    path = Path(out_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(pointer, indent=1))
+    return pointer
+
+
+def _read_pointer(in_path: str) -> dict:
+    """A pointer artifact, bounded and checked field by field (KFP's artifact store is writable by others)."""
+    where = f"the state pointer artifact {in_path}"
+    advice = "It was not written by a fedpipe phase task of this version; rerun the pipeline."
+    tree = parse_json(read_file(in_path, POINTER_LIMIT, "state pointer", CorruptArtifactError).encode(), where, "state pointer",
+                      POINTER_LIMIT, CorruptArtifactError, advice)
+    if not isinstance(tree, dict) or tree.get("format") != POINTER_FORMAT:
+        raise CorruptArtifactError(f"{where} is not a fedpipe state pointer (format {POINTER_FORMAT}). {advice}")
+    kinds = {"store": str, "key": str, "url": str, "sha256": str, "size": int}
+    for name, kind in kinds.items():
+        if type(tree.get(name)) is not kind:
+            raise CorruptArtifactError(f"{where}: field {name!r} is missing or not a {kind.__name__}. {advice}")
+    if not (len(tree["sha256"]) == 64 and all(c in "0123456789abcdef" for c in tree["sha256"])) or tree["size"] < 0:
+        raise CorruptArtifactError(f"{where}: sha256 or size is not valid. {advice}")
+    return tree
+
+
+def check_pointer(run: Run, key: str, in_path: str) -> None:
+    """The state a pointer names is this run's, at this key, in this store, with the bytes it recorded."""
+    pointer = _read_pointer(in_path)
+    if pointer["store"] != run.store.url() or pointer["key"] != key:
+        raise CorruptArtifactError(
+            f"The state handed to this task is {pointer['url']}, but this run keeps it at {run.store.url(key)}: the "
+            "artifact belongs to another run or store. Rerun the pipeline, or give this run the store it was trained in."
+        )
+    if not run.store.exists(key):
+        raise CorruptArtifactError(
+            f"The state {run.store.url(key)} that the previous task wrote is gone from the store (deleted, or the store "
+            "was wiped since). Rerun the pipeline: the phase that wrote it trains it again."
+        )
+    data = run.store.get(key)
+    if len(data) != pointer["size"] or sha256_hex(data) != pointer["sha256"]:
+        raise CorruptArtifactError(
+            f"{run.store.url(key)} is not the state the previous task wrote (size {len(data)} bytes, sha256 "
+            f"{sha256_hex(data)[:12]}..., expected {pointer['size']} bytes, {pointer['sha256'][:12]}...): it was rewritten "
+            "since. Rerun the pipeline."
+        )
+
+
+def pointer_metadata(path: str) -> dict:
+    """What the KFP UI shows of a state artifact: where the state is, its hash and size."""
+    pointer = json.loads(Path(path).read_text())
+    return {"store_url": pointer["url"], "sha256": pointer["sha256"], "size_bytes": pointer["size"]}
+
+
 def _prepare(config_path: str, manifest_path: str | None = None) -> Run:
     log_to_stderr()
     run = Run(load_config(config_path))
@@ -126,13 +191,13 @@ def _phase_inputs(config_path: str, phase: str, manifest_path: str, previous_pat
     if index > 0:
         if previous_path is None:
             raise ConfigError(f"phase {phase!r} needs the state of phase {names[index - 1]!r} as its input.")
-        _bring_in(run, run.layout.phase(names[index - 1]).final, previous_path)
+        check_pointer(run, run.layout.phase(names[index - 1]).final, previous_path)
     return run
 
 
 def _phase_outputs(run: Run, phase: str, state_path: str) -> dict:
-    """Copy the phase's final state out; the metrics of its last round (empty when it has no rounds)."""
-    _copy_out(run, run.layout.phase(phase).final, state_path)
+    """The pointer to the phase's final state; the metrics of its last round (empty when it has no rounds)."""
+    write_pointer(run, run.layout.phase(phase).final, state_path)
     rows = [json.loads(line) for line in _text_or_empty(run, run.layout.rounds(phase)).splitlines() if line.strip()]
     return rows[-1] if rows else {}
 
@@ -146,27 +211,28 @@ def train_phase(config_path: str, phase: str, manifest_path: str, previous_path:
 
 def launch_phase_job(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str, *,
                      job: dict, image: str, resources: dict, storage: dict, poll_seconds: float = 10.0) -> dict:
-    """Run one phase as a Kubeflow Training Operator PyTorchJob and wait for it; same inputs and outputs
-    as `train_phase`. The job's pods read the inputs from the run's store and rank 0 writes the phase's
-    state there, so the store must be MinIO/S3, which every pod reaches.
+    """Run one phase as a Kubeflow Training Operator PyTorchJob or a Trainer v2 TrainJob (the settings'
+    `api`) and wait for it; same inputs and outputs as `train_phase`. The job's pods read the inputs
+    from the run's store and rank 0 writes the phase's state there, so the store must be MinIO/S3,
+    which every pod reaches.
 
     `job`: the PhaseJob fields; `resources`: the PodResources fields (the pipeline's training-task
     parameters); `storage`: the StorageAccess fields (endpoint, Secret name and keys, Pushgateway)."""
-    from fedpipe.k8s.launcher import PhaseJobLauncher
-    from fedpipe.k8s.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+    from fedpipe.k8s.launcher import PhaseJobLauncher, job_manifest
+    from fedpipe.k8s.phasejob import PhaseJob, PodResources, StorageAccess
 
     settings = PhaseJob.from_dict(job)
     store = load_config(config_path).run.store
     if not store.startswith("s3://"):
         raise ConfigError(
-            f"phase {phase!r} runs as a PyTorchJob, whose pods share the run through its store, but run.store is "
+            f"phase {phase!r} runs as a {settings.kind}, whose pods share the run through its store, but run.store is "
             f"{store!r}, a folder only this pod sees. Set run.store to s3://bucket/prefix."
         )
     run = _phase_inputs(config_path, phase, manifest_path, previous_path)
     storage = dict(storage, s3_secret_keys=tuple(storage.get("s3_secret_keys", ("accesskey", "secretkey"))))
     pinned = run.cfg.model_copy(update={"run": run.cfg.run.model_copy(update={"id": run.layout.run_id})})  # every pod, one run folder
     launcher = PhaseJobLauncher(poll_seconds=poll_seconds)
-    manifest = phase_job_manifest(
+    manifest = job_manifest(
         run_id=run.layout.run_id, phase=phase, config_yaml=pinned.to_yaml(), namespace=launcher.namespace,
         image=image, job=settings, resources=PodResources(**resources), storage=StorageAccess(**storage),
     )
@@ -181,7 +247,7 @@ def _text_or_empty(run: Run, key: str) -> str:
 def evaluate(config_path: str, manifest_path: str, state_path: str, html_path: str, markdown_path: str) -> dict:
     run = _prepare(config_path, manifest_path)
     last = run.phases()[-1].name
-    _bring_in(run, run.layout.phase(last).final, state_path)
+    check_pointer(run, run.layout.phase(last).final, state_path)
     summary = run.evaluate()
     images = {
         name: run.store.get(run.layout.report(name))

@@ -3,22 +3,83 @@
 Each is a lightweight Python component whose body only calls `fedpipe.components.bodies` inside the project
 image, so the same library runs here, in the CLI and in the tests. `build(image)` binds them to an
 image; `compile_components` writes their specs to components/*.yaml for reuse in other pipelines.
+
+Every value a task receives is one top-level input parameter. A dict or list of pipeline parameters
+(`fields={"train.rounds": train_rounds, ...}`) would compile to a constant holding
+`{{$.inputs.parameters['pipelinechannel--...']}}` text, which KFP backends before 2.14.0 leave
+unresolved at random (the launcher substituted `{{$}}` and those placeholders in one pass over a Go
+map: backend/src/v2/component/launcher_v2.go, getPlaceholders; fixed by kubeflow/pipelines#11925).
+So the config task and the comparison, whose inputs depend on the config's fields and the benchmark's
+methods, are generated per pipeline with one parameter per value (`resolve_config_component`,
+`compare_component`); tests/test_kfp_conformance.py runs every shipped pipeline through both launchers.
 """
 
-
+import keyword
+import linecache
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
+# The parameters of the config task that are not config fields.
+RESOLVE_FIXED = ("base_config", "defaults", "overrides", "method", "job_id", "config")
 
-def resolve_config(base_config: str, fields: dict, defaults: dict, overrides: list, method: str, job_id: str, config: Output[Artifact]):
+
+def _generated(name: str, source: str) -> Callable:
+    """A component function from source text: kfp embeds `inspect.getsource(f)` in the task's command,
+    and the container's kfp executor calls the function with the inputs its signature names, so a
+    parameter list that depends on the pipeline has to be real source. linecache lets inspect find it."""
+    filename = f"<fedpipe component {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"Input": Input, "Output": Output, "Artifact": Artifact, "Markdown": Markdown}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated source, no user text
+    return namespace[name]
+
+
+def _identifier(name: str) -> str:
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"{name!r} cannot be a component parameter name")
+    return name
+
+
+def resolve_config_component(defaults: dict[str, object]) -> Callable:
+    """The config task for a pipeline whose parameters are `defaults`' fields ({"train.rounds": 30, ...}):
+    one input parameter per field (`train_rounds: int`), each wired to the pipeline parameter of that name."""
+    kinds = {bool: "bool", int: "int", float: "float", str: "str"}
+    params = [f"{_identifier(dotted.replace('.', '_'))}: {kinds[type(value)]}" for dotted, value in defaults.items()]
+    clash = set(RESOLVE_FIXED) & {p.split(":")[0] for p in params}
+    if clash:
+        raise ValueError(f"config fields {sorted(clash)} clash with the config task's own parameters")
+    signature = ",\n        ".join(["base_config: str", "defaults: dict", "overrides: list", "method: str", "job_id: str",
+                                     "config: Output[Artifact]", *params])
+    source = f'''def resolve_config(
+        {signature}):
     """Validate the run's config (base YAML, changed fields, KEY=VALUE overrides) before anything runs."""
     from fedpipe.components import bodies
 
+    given = locals()
+    fields = {{dotted: given[dotted.replace(".", "_")] for dotted in defaults}}
     cfg = bodies.resolve_config(base_config, fields, defaults, overrides, job_id, config.path, method=method or None)
-    config.metadata.update({"run_id": cfg.run_id(), "method": cfg.method.name, "dataset": cfg.data.dataset})
+    config.metadata.update({{"run_id": cfg.run_id(), "method": cfg.method.name, "dataset": cfg.data.dataset}})
+'''
+    return _generated("resolve_config", source)
+
+
+def compare_component(methods: list[str]) -> Callable:
+    """The benchmark's comparison task: one input parameter per method (`run_id_fedavg: str`, ...), the
+    run id its evaluate task returned."""
+    names = [f"run_id_{_identifier(m)}" for m in methods]
+    signature = ", ".join(["config: Input[Artifact]", "table: Output[Markdown]", "results: Output[Artifact]",
+                           *(f"{n}: str" for n in names)])
+    source = f'''def compare({signature}) -> str:
+    """The benchmark's comparison table over methods (same partition, same budget), from the runs' summaries."""
+    from fedpipe.components import bodies
+
+    return bodies.compare(config.path, [{", ".join(names)}], table.path, results.path)
+'''
+    return _generated("compare", source)
 
 
 def partition(config: Input[Artifact], manifest: Output[Dataset], heatmap: Output[HTML]):
@@ -29,12 +90,21 @@ def partition(config: Input[Artifact], manifest: Output[Dataset], heatmap: Outpu
 
 
 def train_phase(config: Input[Artifact], phase: str, manifest: Input[Dataset], state: Output[Model], metrics: Output[Metrics],
-                previous: Input[Model] = None):
-    """Run one training phase from the previous phase's state; checkpoints go to the run's store."""
+                previous: Input[Model] = None, requested_accelerators: str = ""):
+    """Run one training phase from the previous phase's state; checkpoints go to the run's store. `state` is a
+    pointer to the phase's final state in that store (URL, sha256, size), not the state's bytes.
+    `requested_accelerators`: the GPUs the task asked for, which tells fedpipe.engine.devices whether a GPU
+    that PyTorch cannot use was given to it (empty: unknown, the probe looks at the machine). Not named
+    accelerator_count: kfp's compiler gives the task an input of that name for the pod's GPU limit."""
+    import os
+
     from fedpipe.components import bodies
 
+    if requested_accelerators:
+        os.environ["FEDPIPE_ACCELERATOR_COUNT"] = requested_accelerators
+
     last = bodies.train_phase(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path)
-    state.metadata.update({"phase": phase, "round": int(last.get("round", 0))})
+    state.metadata.update({"phase": phase, "round": int(last.get("round", 0)), **bodies.pointer_metadata(state.path)})
     for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
         if last.get(key) is not None:
             metrics.log_metric(key, float(last[key]))
@@ -53,7 +123,8 @@ def launch_phase_job(config: Input[Artifact], phase: str, manifest: Input[Datase
                  "tolerations": tolerations}
     last = bodies.launch_phase_job(config.path, phase, manifest.path, previous.path if previous is not None else None, state.path,
                                   job=job, image=image, resources=resources, storage=dict(storage, s3_secret=s3_secret))
-    state.metadata.update({"phase": phase, "round": int(last.get("round", 0)), "pytorchjob_nodes": int(job["nodes"])})
+    state.metadata.update({"phase": phase, "round": int(last.get("round", 0)), "pytorchjob_nodes": int(job["nodes"]),
+                           **bodies.pointer_metadata(state.path)})
     for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
         if last.get(key) is not None:
             metrics.log_metric(key, float(last[key]))
@@ -73,14 +144,7 @@ def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Mod
     return result["run_id"]
 
 
-def compare(config: Input[Artifact], run_ids: list, table: Output[Markdown], results: Output[Artifact]) -> str:
-    """The benchmark's comparison table over methods (same partition, same budget), from the runs' summaries."""
-    from fedpipe.components import bodies
-
-    return bodies.compare(config.path, run_ids, table.path, results.path)
-
-
-FUNCTIONS = (resolve_config, partition, train_phase, launch_phase_job, evaluate, compare)
+FIXED_FUNCTIONS = (partition, train_phase, launch_phase_job, evaluate)
 
 
 @dataclass(frozen=True)
@@ -90,28 +154,32 @@ class Components:
     train_phase: object
     launch_phase_job: object
     evaluate: object
-    compare: object
+    compare: object  # None in a pipeline with no comparison
 
 
-def build(image: str, training_image: str) -> Components:
+def build(image: str, training_image: str, fields: dict[str, object], methods: list[str] | None = None) -> Components:
     """The components, running in `image` (training in `training_image`: the CUDA image, so that a run asks
     for a GPU with a parameter alone; it runs on CPU-only nodes too); both must have fedpipe installed.
-    The images' names come from fedpipe.pipelines.builder.DeployOptions."""
+    `fields`: the config fields the pipeline exposes (the config task's parameters); `methods`: the
+    benchmark's methods (the comparison's parameters). The images come from pipelines.builder.DeployOptions."""
 
     def decorate(f):
         chosen = training_image if f is train_phase else image
         return dsl.component(base_image=chosen, install_kfp_package=False)(f)
 
-    return Components(*(decorate(f) for f in FUNCTIONS))
+    fixed = {f.__name__: decorate(f) for f in FIXED_FUNCTIONS}
+    compare = decorate(compare_component(methods)) if methods else None
+    return Components(resolve_config=decorate(resolve_config_component(fields)), compare=compare, **fixed)
 
 
-def compile_components(folder: Path, image: str, training_image: str) -> list[Path]:
-    """Write each component's spec to folder/<name>.yaml (loadable with kfp's load_component_from_file)."""
-    built = build(image, training_image)
+def compile_components(folder: Path, image: str, training_image: str, fields: dict[str, object], methods: list[str]) -> list[Path]:
+    """Write each component's spec to folder/<name>.yaml (loadable with kfp's load_component_from_file);
+    the config task's and the comparison's for these fields and methods."""
+    built = build(image, training_image, fields, methods)
     Path(folder).mkdir(parents=True, exist_ok=True)
     paths = []
-    for f in FUNCTIONS:
-        path = Path(folder) / f"{f.__name__}.yaml"
-        compiler.Compiler().compile(getattr(built, f.__name__), str(path))
+    for name in ("resolve_config", *(f.__name__ for f in FIXED_FUNCTIONS), "compare"):
+        path = Path(folder) / f"{name}.yaml"
+        compiler.Compiler().compile(getattr(built, name), str(path))
         paths.append(path)
     return paths

@@ -221,12 +221,15 @@ S3SecretOpt = Annotated[Optional[str], typer.Option(help="Secret with the S3 cre
 PushgatewayOpt = Annotated[Optional[str], typer.Option(help="Pushgateway URL the pods push round metrics to: the default of the run parameter telemetry_pushgateway, which the Kubeflow UI can change (default: env FEDPIPE_PUSHGATEWAY, else none).")]
 
 
-DistributedPhaseOpt = Annotated[Optional[str], typer.Option("--distributed-phase", help="Run this phase (see `fedpipe methods`) as a Kubeflow Training Operator PyTorchJob, created and awaited by a small launcher task, instead of as one task: for a phase that outgrows one GPU or node. Needs the Training Operator and the pytorchjobs RBAC (the chart's pytorchJob.enabled).")]
+DistributedPhaseOpt = Annotated[Optional[str], typer.Option("--distributed-phase", help="Run this phase (see `fedpipe methods`) as a Kubeflow Training Operator PyTorchJob (or a Trainer v2 TrainJob: --job-api), created and awaited by a small launcher task, instead of as one task: for a phase that outgrows one GPU or node. Needs the Training Operator (or Trainer) and the launcher's RBAC (the chart's pytorchJob.enabled).")]
 NodesOpt = Annotated[Optional[int], typer.Option("--nodes", min=1, help="With --distributed-phase: pods of the PyTorchJob, one Master and the rest Workers (default 2).")]
 ProcessesOpt = Annotated[Optional[int], typer.Option("--processes-per-node", min=1, help="With --distributed-phase: torchrun processes per pod (default 1).")]
 GpusOpt = Annotated[Optional[int], typer.Option("--gpus-per-process", min=0, help="With --distributed-phase: GPUs per process, NCCL between them (default 0: CPU, gloo).")]
 JobCleanupOpt = Annotated[Optional[str], typer.Option("--job-cleanup", help="With --distributed-phase: delete the finished PyTorchJob on-success (default; a failed one is kept to inspect), always, or never.")]
 JobTimeoutOpt = Annotated[Optional[int], typer.Option("--job-timeout", min=1, help="With --distributed-phase: seconds the PyTorchJob may run (default 86400).")]
+KfpVersionOpt = Annotated[Optional[str], typer.Option("--kfp-version", help="The Kubeflow Pipelines backend the pipeline is compiled for (register, submit, schedule: the server's own; compile: 2.5.0, the floor, whose pipeline runs on every supported backend). From 2.16.0 (Kubeflow 26.03) every task also gets a securityContext: user 1000, non-root; older API servers refuse or drop such a task config.")]
+JobApiOpt = Annotated[Optional[str], typer.Option("--job-api", help="With --distributed-phase: pytorchjob (Kubeflow Training Operator v1, default) or trainjob (Kubeflow Trainer v2.1+, Kubeflow 1.11+: a TrainJob on a ClusterTrainingRuntime).")]
+TrainerRuntimeOpt = Annotated[Optional[str], typer.Option("--trainer-runtime", help="With --job-api trainjob: the ClusterTrainingRuntime the TrainJob runs on (default torch-distributed, which Trainer ships).")]
 
 
 # The deployment flags of compile, register, submit and schedule, each declared once: `_deploy_flags`
@@ -236,7 +239,8 @@ DEPLOY_OPTIONS = {
     "accelerator_count": AcceleratorCountOpt, "accelerator_type": AcceleratorTypeOpt, "resource": ResourceOpt,
     "store": StoreOpt, "s3_endpoint": S3EndpointOpt, "s3_secret": S3SecretOpt, "pushgateway": PushgatewayOpt,
     "distributed_phase": DistributedPhaseOpt, "nodes": NodesOpt, "processes_per_node": ProcessesOpt,
-    "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt,
+    "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt, "job_api": JobApiOpt, "kfp_version": KfpVersionOpt,
+    "trainer_runtime": TrainerRuntimeOpt,
 }
 DEPLOY_FLAGS = tuple(DEPLOY_OPTIONS)
 
@@ -259,12 +263,13 @@ def _deploy_flags(fn):
 
 
 def _distributed(deploy: dict) -> tuple:
-    """The PyTorchJob settings of --distributed-phase (none without it)."""
-    from fedpipe.k8s.pytorchjob import PhaseJob
+    """The job settings of --distributed-phase (none without it)."""
+    from fedpipe.k8s.phasejob import PhaseJob
 
     given = {("nodes", "--nodes"): deploy.get("nodes"), ("processes_per_node", "--processes-per-node"): deploy.get("processes_per_node"),
              ("gpus_per_process", "--gpus-per-process"): deploy.get("gpus_per_process"),
-             ("cleanup", "--job-cleanup"): deploy.get("job_cleanup"), ("timeout_seconds", "--job-timeout"): deploy.get("job_timeout")}
+             ("cleanup", "--job-cleanup"): deploy.get("job_cleanup"), ("timeout_seconds", "--job-timeout"): deploy.get("job_timeout"),
+             ("api", "--job-api"): deploy.get("job_api"), ("runtime", "--trainer-runtime"): deploy.get("trainer_runtime")}
     given = {key: value for key, value in given.items() if value is not None}
     if deploy.get("distributed_phase") is None:
         if given:
@@ -287,7 +292,7 @@ def _options(deploy: dict, distributed: tuple = ()):
         if deploy.get(name) is not None:
             resources[name] = str(deploy[name])
     chosen = {key: deploy.get(key) for key in ("image_repository", "image_tag", "training_image_tag", "store", "s3_endpoint",
-                                                "s3_secret", "pushgateway")}
+                                                "s3_secret", "pushgateway", "kfp_version")}
     return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
 
 
@@ -308,16 +313,14 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
              all_: Annotated[bool, typer.Option("--all", help="Regenerate the shipped pipelines/*.yaml and components/*.yaml (release defaults, environment ignored).")] = False,
              benchmark: BenchmarkOpt = None, *, deploy: dict):
     """Compile the method's pipeline (one task per phase) to Kubeflow Pipelines v2 YAML."""
-    from fedpipe.components.definitions import compile_components
-    from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, shipped_pipelines
+    from fedpipe.pipelines.builder import SHIPPED, compile_pipeline, compile_shipped_components, shipped_pipelines
 
     if all_:
         for name, pipeline in shipped_pipelines().items():
             typer.echo(compile_pipeline(pipeline, SHIPPED / name))
         import fedpipe.components
 
-        release = DeployOptions()
-        for path in compile_components(Path(fedpipe.components.__file__).parent, release.image, release.training_image):
+        for path in compile_shipped_components(Path(fedpipe.components.__file__).parent):
             typer.echo(path)
         return
     cfg = _load(config, set)
@@ -335,12 +338,21 @@ NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow 
 ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]
 
 
-def _cluster_pipeline(config, set, method, deploy: dict):
+def _cluster_pipeline(config, set, method, deploy: dict, host, namespace, token, token_file):
+    """The config and flags checked (before anything is sent), then the KFP API connected, then the
+    pipeline compiled for the backend version it reports (unless --kfp-version says otherwise)."""
+    from dataclasses import replace
+
     from fedpipe.pipelines.builder import method_pipeline
+    from fedpipe.pipelines.client import backend_version, connect
 
     distributed = _distributed(deploy)  # a misused --distributed-phase flag fails before the config is read
     cfg = _load(config, [*(set or []), *([f"method.name={method}"] if method else [])])
-    return cfg, method_pipeline(cfg, _options(deploy, distributed))
+    options = _options(deploy, distributed)
+    client = connect(host, namespace, token, token_file)
+    if deploy.get("kfp_version") is None:
+        options = replace(options, kfp_version=backend_version(client) or options.kfp_version)
+    return cfg, method_pipeline(cfg, options), client
 
 
 @app.command()
@@ -350,12 +362,11 @@ def register(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None,
              namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None, *, deploy: dict):
     """Upload the method's pipeline (compiled from the config) to Kubeflow, as a new pipeline or a new version."""
     from fedpipe.pipelines.builder import pipeline_name
-    from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import register as do_register
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, deploy)
+    cfg, pipeline, client = _cluster_pipeline(config, set, method, deploy, host, namespace, token, token_file)
     name = name or pipeline_name(cfg.method.name)
-    done = do_register(connect(host, namespace, token, token_file), pipeline, name, description=f"fedpipe {cfg.method.name}")
+    done = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")
     typer.echo(f"pipeline {name}: version {done.version} (pipeline id {done.pipeline_id}, version id {done.version_id})")
 
 
@@ -366,11 +377,10 @@ def submit(host: HostOpt = None, config: ConfigOpt = None, set: SetOpt = None, m
            experiment: ExperimentOpt = "fedpipe", run_name: Annotated[Optional[str], typer.Option(help="Name of the run in the Kubeflow UI.")] = None,
            namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None, *, deploy: dict):
     """Start one run of the method's pipeline on a Kubeflow cluster (the config becomes its defaults)."""
-    from fedpipe.pipelines.client import connect
     from fedpipe.pipelines.client import submit as do_submit
 
-    cfg, pipeline = _cluster_pipeline(config, set, method, deploy)
-    run_id = do_submit(connect(host, namespace, token, token_file), pipeline, experiment, run_name or cfg.run_id(), namespace)
+    cfg, pipeline, client = _cluster_pipeline(config, set, method, deploy, host, namespace, token, token_file)
+    run_id = do_submit(client, pipeline, experiment, run_name or cfg.run_id(), namespace)
     typer.echo(f"submitted run {run_id} of {cfg.method.name} to experiment {experiment!r}")
 
 
@@ -384,17 +394,104 @@ def schedule(cron: Annotated[str, typer.Option(help="When to retrain, cron synta
     """Register the pipeline and create (or replace) a recurring run of it: scheduled retraining.
     Each scheduled run trains anew in its own run folder; missed times are not caught up."""
     from fedpipe.pipelines.builder import pipeline_name
-    from fedpipe.pipelines.client import connect, kfp_cron
+    from fedpipe.pipelines.client import kfp_cron
     from fedpipe.pipelines.client import register as do_register
     from fedpipe.pipelines.client import schedule as do_schedule
 
     kfp_cron(cron)  # a bad expression fails before anything is registered
-    cfg, pipeline = _cluster_pipeline(config, set, method, deploy)
+    cfg, pipeline, client = _cluster_pipeline(config, set, method, deploy, host, namespace, token, token_file)
     name = name or pipeline_name(cfg.method.name)
-    client = connect(host, namespace, token, token_file)
     registered = do_register(client, pipeline, name, description=f"fedpipe {cfg.method.name}")
     job = do_schedule(client, registered, f"{name}-schedule", cron, experiment, namespace)
     typer.echo(f"recurring run {job} of {name} (version {registered.version}) on '{cron}' in experiment {experiment!r}")
+
+
+@app.command()
+@_guarded
+def unschedule(host: HostOpt = None, method: MethodOpt = None, name: NameOpt = None, experiment: ExperimentOpt = "fedpipe",
+               namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None):
+    """Delete the recurring run `fedpipe schedule` made (`<name>-schedule` in the experiment), if there is one:
+    retraining stops; the pipeline, its versions and past runs stay. The Helm chart runs it on uninstall and
+    when an upgrade empties schedule.cron."""
+    from fedpipe.pipelines.builder import pipeline_name
+    from fedpipe.pipelines.client import connect
+    from fedpipe.pipelines.client import unschedule as do_unschedule
+
+    name = name or pipeline_name(_load(None, [f"method.name={method}"] if method else None).method.name)
+    job_name = f"{name}-schedule"
+    deleted = do_unschedule(connect(host, namespace, token, token_file), job_name, experiment, namespace)
+    if not deleted:
+        typer.echo(f"no recurring run {job_name!r} in experiment {experiment!r}: nothing to delete")
+    for job in deleted:
+        typer.echo(f"deleted recurring run {job} ({job_name}) from experiment {experiment!r}")
+
+
+check_app = typer.Typer(
+    help="Check, from where the pipeline's pods run, what a run needs: the KFP API, the store, the Pushgateway "
+         "(the Helm chart's `helm test` runs these). Each prints one line and exits 0, or says what failed and exits 2.",
+    no_args_is_help=True,
+)
+app.add_typer(check_app, name="check")
+CHECK_JOB = "fedpipe-check"  # the Pushgateway job of the check's group, apart from the runs' `fedpipe`
+
+
+@check_app.command("kfp")
+@_guarded
+def check_kfp(host: HostOpt = None, namespace: NamespaceOpt = None, token: TokenOpt = None, token_file: TokenFileOpt = None):
+    """The Kubeflow Pipelines API answers healthz with a release fedpipe's pipelines run on (the same check
+    register, submit and schedule make first) and, on multi-user Kubeflow, a namespace is given."""
+    from fedpipe.pipelines.client import connect, describe_backend
+
+    typer.echo(describe_backend(connect(host, namespace, token, token_file), host))
+
+
+@check_app.command("store")
+@_guarded
+def check_store(store: Annotated[str, typer.Option(help="The store the runs write to, e.g. s3://mlpipeline/fedpipe (FEDPIPE_S3_ENDPOINT and the AWS_* credentials from the environment, as in a task pod).")]):
+    """Write one small object to the store, read it back and delete it, with the credentials a task pod gets."""
+    import uuid
+
+    from fedpipe.store import open_store
+
+    opened = open_store(store)
+    key = f"_fedpipe-check/{uuid.uuid4().hex}"
+    payload = f"fedpipe check {key}".encode()
+    opened.put(key, payload)
+    try:
+        back = opened.get(key)
+    finally:
+        opened.delete(key)
+    if back != payload:
+        raise FedpipeError(f"The store {opened.url()} gave back other bytes than were written to {opened.url(key)}.")
+    typer.echo(f"store {opened.url()}: wrote, read back and deleted {opened.url(key)}")
+
+
+@check_app.command("pushgateway")
+@_guarded
+def check_pushgateway(url: Annotated[str, typer.Option(help="The Pushgateway the runs push to, e.g. http://fedpipe-pushgateway.<namespace>:9091.")]):
+    """Push one metric group the way a pipeline task does (prometheus_client), find it in the Pushgateway's
+    /api/v1/metrics, and delete it."""
+    import uuid
+
+    from prometheus_client import CollectorRegistry, Gauge, delete_from_gateway, push_to_gateway
+
+    from fedpipe.telemetry.prometheus import run_groups
+
+    run_id = f"check-{uuid.uuid4().hex[:12]}"
+    registry = CollectorRegistry()
+    Gauge("fedpipe_check", "Pushed by `fedpipe check pushgateway`; deleted right away.", registry=registry).set(1)
+    try:
+        push_to_gateway(url, job=CHECK_JOB, registry=registry, grouping_key={"run_id": run_id}, timeout=10)
+        found = run_groups(url, run_id, job=CHECK_JOB, timeout=10)
+        delete_from_gateway(url, job=CHECK_JOB, grouping_key={"run_id": run_id}, timeout=10)
+    except Exception as e:
+        raise FedpipeError(
+            f"The Pushgateway at {url} did not take a push: {type(e).__name__}: {str(e)[:300]}. Check the URL and that it "
+            "runs; a 403 'RBAC: access denied' means Istio guards it (a sidecar on the Pushgateway pod, in a profile "
+            "namespace): run it outside the mesh (the chart's pushgateway.podAnnotations) or allow the pushes.") from None
+    if not found:
+        raise FedpipeError(f"The Pushgateway at {url} accepted a push, but the group run_id={run_id} is not in its /api/v1/metrics.")
+    typer.echo(f"Pushgateway at {url}: pushed, found and deleted the group job={CHECK_JOB} run_id={run_id}")
 
 
 @app.command()

@@ -28,3 +28,8 @@ class CorruptArtifactError(StoreError):
 
 class TrainingError(FedpipeError):
     """Training cannot go on (for example every client of a round failed)."""
+
+
+class GpuUnusableError(FedpipeError):
+    """This process was given a GPU that PyTorch cannot use (an NVIDIA driver too old for torch's CUDA
+    build, or none at all): the run stops rather than train on the CPU with the GPU idle."""

@@ -8,9 +8,12 @@ strings for anything else), and the tasks' resources (RESOURCE_PARAMETERS: one G
 default, CPU and memory for every task; node selector and tolerations of the training tasks). A field
 changed in the Kubeflow UI wins over `base_config`. `telemetry_pushgateway` says where round metrics go.
 
-Needs a Kubeflow Pipelines backend of 2.5.0 or later (Kubeflow 1.10+): resources from runtime parameters
-(driver 2.4.0), node selector and tolerations as JSON parameters and the Secret's name as a parameter
-(driver 2.5.0). fedpipe.pipelines.client checks the server's version before it uploads.
+Needs a Kubeflow Pipelines backend of 2.5.0 or later (Kubeflow 1.10.1+; 1.10.0 ships 2.4.1): resources
+from runtime parameters (driver 2.4.0), node selector and tolerations as JSON parameters (driver 2.5.0:
+backend/src/v2/driver/driver.go reads NodeSelectorJson / TolerationJson, which 2.4.1 lacks).
+fedpipe.pipelines.client checks the server's version before it uploads. No task input holds a
+placeholder nested in a dict or list, which launchers before 2.14.0 resolve at random
+(components/definitions.py; tests/test_kfp_conformance.py checks every shipped pipeline).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kfp import compiler, dsl, kubernetes
 
 from fedpipe import __version__
 from fedpipe.algorithms import ALGORITHMS, phases_of
-from fedpipe.components.definitions import Components, build
+from fedpipe.components.definitions import Components, build, compile_components
 from fedpipe.errors import ConfigError
 from fedpipe.k8s.pytorchjob import PhaseJob
 from fedpipe.run.config import RunConfig, load_config
@@ -61,6 +64,30 @@ PLACEMENT_PARAMETERS: dict[str, tuple[type, object]] = {"node_selector": (dict, 
 _QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
 # The label on every task pod of a fedpipe pipeline: what the chart's NetworkPolicy selects.
 POD_LABEL = ("app.kubernetes.io/part-of", "fedpipe")
+# The user every task's container runs as: the image's USER (images/Dockerfile).
+TASK_USER = 1000
+# The oldest Kubeflow Pipelines backend that runs fedpipe's pipelines (see the module's docstring), and
+# the first that knows a task's securityContext (kubernetes_executor_config.proto field 18, applied by
+# the driver: backend/src/v2/driver/k8s.go, GetSecurityContext). A pipeline is compiled for one backend
+# version (DeployOptions.kfp_version): the platform spec must hold only fields that version's protos
+# know, because its API server parses each task's Kubernetes config strictly (2.14+:
+# v2/compiler/argocompiler/container.go, protojson.Unmarshal, an unknown field refuses the run; 2.5.0:
+# jsonpb.UnmarshalString, whose error is ignored and the pod's labels silently dropped).
+MIN_KFP_BACKEND = "2.5.0"
+SECURITY_CONTEXT_KFP = "2.16.0"
+_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+.].*)?")
+
+
+def parse_kfp_version(tag: object) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a KFP release tag such as '2.5.0', 'v2.14.3' or '2.15.0-rc.1'; None for
+    what is no release ('unknown' when the image was built without TAG_NAME, 'master', a commit, nothing).
+    A pre-release counts as its release."""
+    if not isinstance(tag, str):
+        return None
+    match = _VERSION.fullmatch(tag.strip())
+    if not match:
+        return None
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
 def resource_defaults(given: dict[str, str] | None = None) -> dict[str, str]:
@@ -88,7 +115,8 @@ class DeployOptions:
     """Where a compiled pipeline runs: its image, its store, and how its pods reach MinIO and the Pushgateway.
 
     Credentials are never part of a pipeline: pods read them from the Secret `s3_secret` (keys
-    `s3_secret_keys`) as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
+    `s3_secret_keys`) as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. The Secret's name is fixed when the
+    pipeline is compiled (the chart: at install), not a run parameter that a UI user could point at any Secret.
     """
 
     image_repository: str = "ghcr.io/fedpipe/fedpipe"
@@ -105,13 +133,24 @@ class DeployOptions:
     # Phases that run as a Kubeflow Training Operator PyTorchJob, started and awaited by a small launcher
     # task, instead of as one training task (fedpipe.k8s.pytorchjob).
     distributed: tuple[PhaseJob, ...] = ()
+    # The KFP backend the pipeline is compiled for: the floor's pipeline runs on every supported backend;
+    # from SECURITY_CONTEXT_KFP on, every task also carries a securityContext (user TASK_USER, non-root).
+    kfp_version: str = MIN_KFP_BACKEND
 
     def __post_init__(self) -> None:
+        version = parse_kfp_version(self.kfp_version)
+        if version is None or version < parse_kfp_version(MIN_KFP_BACKEND):
+            raise ConfigError(f"--kfp-version {self.kfp_version!r} is not a Kubeflow Pipelines release of {MIN_KFP_BACKEND} or "
+                              "later (e.g. 2.5.0 for Kubeflow 1.10.1, 2.15.0 for 1.11, 2.16.0 for 26.03).")
         for what, value in (("--image-repository", self.image_repository), ("--image-tag", self.image_tag),
                             ("--training-image-tag", self.training_image_tag or self.image_tag)):
             if not value or any(c.isspace() for c in value) or (what != "--image-repository" and (":" in value or "/" in value)):
                 raise ConfigError(f"{what} {value!r} is not valid: a repository looks like ghcr.io/fedpipe/fedpipe, a tag like 0.1.0.")
         resource_defaults(self.resources)
+
+    @property
+    def task_security_context(self) -> bool:
+        return parse_kfp_version(self.kfp_version) >= parse_kfp_version(SECURITY_CONTEXT_KFP)
 
     @property
     def image(self) -> str:
@@ -133,7 +172,8 @@ class DeployOptions:
             "s3_secret_keys": tuple(k.strip() for k in keys.split(",")) if keys else None,
             "pushgateway": os.environ.get("FEDPIPE_PUSHGATEWAY"),
         }
-        chosen = {k: v for k, v in {**env, **overrides}.items() if v is not None}
+        # an unset flag (None) must not hide the environment's value
+        chosen = {**{k: v for k, v in env.items() if v is not None}, **{k: v for k, v in overrides.items() if v is not None}}
         return replace(cls(), **chosen)
 
 
@@ -176,7 +216,6 @@ def _signature(fields: dict[str, object], base_yaml: str, options: DeployOptions
     params.append(inspect.Parameter("overrides", kw, default=[], annotation=list))
     params += [inspect.Parameter(name, kw, default=value, annotation=str) for name, value in resource_defaults(options.resources).items()]
     params += [inspect.Parameter(name, kw, default=default, annotation=kind) for name, (kind, default) in PLACEMENT_PARAMETERS.items()]
-    params.append(inspect.Parameter("s3_secret", kw, default=options.s3_secret, annotation=str))
     return inspect.Signature(params)
 
 
@@ -196,15 +235,27 @@ def _storage(task, options: DeployOptions, secret) -> None:
         task.set_env_variable(name, value)
     access, secret_key = options.s3_secret_keys
     kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={access: "AWS_ACCESS_KEY_ID", secret_key: "AWS_SECRET_ACCESS_KEY"})
+    # kfp-kubernetes writes SecretAsEnv.optional: false, a field the protos have only since KFP 2.15.0
+    # (kubeflow/pipelines#12216): 2.14 would refuse the run, 2.5.0 drop the pod's labels. false is its
+    # default, so leaving it out means the same on every backend.
+    for entry in task.platform_config["kubernetes"]["secretAsEnv"]:
+        if entry.get("optional") is False:
+            del entry["optional"]
+    if options.task_security_context:
+        kubernetes.set_security_context(task, run_as_user=TASK_USER, run_as_group=TASK_USER, run_as_non_root=True)
+
+
+def _resolve_task(c: Components, v: dict, fields: dict, method: str):
+    """The config task: every field its own input, wired straight to the pipeline parameter (no dict of
+    placeholders, which backends before KFP 2.14 resolve at random: components/definitions.py)."""
+    return c.resolve_config(base_config=v["base_config"], defaults=fields, overrides=v["overrides"], method=method,
+                            job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, **{_param(k): v[_param(k)] for k in fields})
 
 
 def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None,
                    secret) -> object:
     """resolve config -> phase tasks -> evaluate for one method; returns the evaluate task."""
-    resolve = c.resolve_config(
-        base_config=v["base_config"], fields={k: v[_param(k)] for k in fields}, defaults=fields,
-        overrides=v["overrides"], method=method or "", job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-    ).set_display_name(f"config {method}" if method else "config")
+    resolve = _resolve_task(c, v, fields, method or "").set_display_name(f"config {method}" if method else "config")
     _step(resolve, v, options, secret)
     config = resolve.outputs["config"]
     if manifest is None:
@@ -218,9 +269,9 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
         inputs = {"previous": previous} if previous is not None else {}
         if phase.name in distributed:
             task = _launcher_task(c, v, options, distributed[phase.name], config, manifest, secret, inputs)
-            task.set_display_name(f"{method + ' ' if method else ''}{phase.name} (PyTorchJob)")
+            task.set_display_name(f"{method + ' ' if method else ''}{phase.name} ({distributed[phase.name].kind})")
         else:
-            task = c.train_phase(config=config, phase=phase.name, manifest=manifest, **inputs)
+            task = c.train_phase(config=config, phase=phase.name, manifest=manifest, requested_accelerators=v["accelerator_count"], **inputs)
             task.set_display_name(f"{method + ' ' if method else ''}{phase.name}")
             task.set_accelerator_type(v["accelerator_type"]).set_accelerator_limit(v["accelerator_count"])
             task.set_cpu_request(v["cpu_request"]).set_cpu_limit(v["cpu_limit"])
@@ -290,12 +341,12 @@ def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) ->
     _check_distributed(options, {cfg.method.name: [p.name for p in phases_of(cfg.method, cfg.train.rounds)]})
     cfg = _deployed(cfg, options, name)
     fields = flat_fields(cfg)
-    c = build(options.image, options.training_image)
+    c = build(options.image, options.training_image, fields)
     signature = _signature(fields, _one_line(cfg), options)
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)
-        secret = v["s3_secret"]
+        secret = options.s3_secret  # fixed at compile time: a run parameter would let a UI user name any Secret
         _method_branch(c, v, options, cfg, fields, None, None, secret)
 
     return _as_pipeline(body, signature, name, f"{cfg.method.name}: {ALGORITHMS[cfg.method.name].paper}. "
@@ -308,18 +359,15 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
     cfg = _deployed(cfg, options, name)
     shared = ("run", "data", "partition", "model", "train", "eval", "telemetry")
     fields = flat_fields(cfg, shared)
-    c = build(options.image, options.training_image)
+    c = build(options.image, options.training_image, fields, methods)
     signature = _signature(fields, _one_line(cfg), options)
     per_method = {m: load_config(None, [f"method.name={m}"]).method for m in methods}
     _check_distributed(options, {m: [p.name for p in phases_of(per_method[m], cfg.train.rounds)] for m in methods})
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)
-        secret = v["s3_secret"]
-        resolve = c.resolve_config(
-            base_config=v["base_config"], fields={k: v[_param(k)] for k in fields}, defaults=fields,
-            overrides=v["overrides"], method="", job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        ).set_display_name("config (shared)")
+        secret = options.s3_secret  # fixed at compile time: a run parameter would let a UI user name any Secret
+        resolve = _resolve_task(c, v, fields, "").set_display_name("config (shared)")
         _step(resolve, v, options, secret)
         part = c.partition(config=resolve.outputs["config"]).set_display_name("partition (shared)")
         _step(part, v, options, secret)
@@ -327,7 +375,7 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
             _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m, secret)
             for m in methods
         ]
-        table = c.compare(config=resolve.outputs["config"], run_ids=[e.outputs["Output"] for e in evaluations])
+        table = c.compare(config=resolve.outputs["config"], **{f"run_id_{m}": e.outputs["Output"] for m, e in zip(methods, evaluations)})
         table.set_display_name("comparison table")
         _step(table, v, options, secret)
 
@@ -349,6 +397,13 @@ def compile_pipeline(pipeline: Callable, path: Path) -> Path:
 
 
 SHIPPED = Path(__file__).parent  # the compiled pipelines that ship with fedpipe (pipelines/*.yaml)
+
+
+def compile_shipped_components(folder: Path, options: DeployOptions = DeployOptions()) -> list[Path]:
+    """What `fedpipe compile --all` writes to components/: each component for the release's images, the
+    config task with the default method pipeline's fields and the comparison over every method."""
+    fields = flat_fields(_deployed(load_config(None), options, pipeline_name(None)))
+    return compile_components(folder, options.image, options.training_image, fields, list(ALGORITHMS))
 
 
 def shipped_pipelines(options: DeployOptions = DeployOptions()) -> dict[str, Callable]:

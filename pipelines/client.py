@@ -1,6 +1,7 @@
-"""Talking to a Kubeflow Pipelines API: register a pipeline, submit a run, schedule retraining.
+"""Talking to a Kubeflow Pipelines API: register a pipeline, submit a run, schedule retraining (and
+remove that schedule).
 
-All three go through kfp's own Client, after `connect` has checked the server: reachable, a KFP
+All of them go through kfp's own Client, after `connect` has checked the server: reachable, a KFP
 backend new enough for fedpipe's pipelines (MIN_KFP_BACKEND), and, on multi-user Kubeflow, a
 profile namespace to work in.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -35,40 +35,22 @@ from pathlib import Path
 
 from fedpipe import __version__
 from fedpipe.errors import FedpipeError
-from fedpipe.pipelines.builder import compile_pipeline
+from fedpipe.pipelines.builder import MIN_KFP_BACKEND, compile_pipeline, parse_kfp_version
 from fedpipe.store.base import sha256_hex
 
 log = logging.getLogger(__name__)
 
 IN_CLUSTER_HOST = "http://ml-pipeline.kubeflow.svc.cluster.local:8888"
 
-# The oldest Kubeflow Pipelines backend that runs fedpipe's compiled pipelines, checked against the
-# server's healthz `tag_name` before anything is uploaded. The pipelines take the tasks' CPU, memory
-# and accelerator from run parameters (the driver resolves those placeholders since KFP 2.4.0) and
-# the node selector and tolerations as JSON parameters and the storage Secret's name as a parameter
-# (driver support since KFP 2.5.0). Kubeflow 1.9.x ships KFP 2.2/2.3; Kubeflow 1.10 ships KFP 2.5.
-MIN_KFP_BACKEND = "2.5.0"
-MIN_KUBEFLOW = "1.10"
+# The oldest Kubeflow Pipelines backend that runs fedpipe's compiled pipelines (MIN_KFP_BACKEND, from
+# the builder), checked against the server's healthz `tag_name` before anything is uploaded. Kubeflow
+# 1.10.0 ships KFP 2.4.1; 1.10.1 is the first Kubeflow with 2.5.0 (kubeflow/manifests README per tag).
+MIN_KUBEFLOW = "1.10.1"
 
 # Where a pod finds its projected KFP token (kfp.client.KF_PIPELINES_SA_TOKEN_PATH); the chart mounts it there.
 IN_CLUSTER_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 TOKEN_ENV = "FEDPIPE_KFP_TOKEN"
 TOKEN_FILE_ENV = "KF_PIPELINES_SA_TOKEN_PATH"  # kfp's own variable for the token's path
-
-_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+.].*)?")
-
-
-def parse_kfp_version(tag: object) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a KFP release tag such as '2.5.0', 'v2.14.3' or '2.15.0-rc.1'; None for
-    what is no release ('unknown' when the image was built without TAG_NAME, 'master', a commit, nothing).
-    A pre-release counts as its release."""
-    if not isinstance(tag, str):
-        return None
-    match = _VERSION.fullmatch(tag.strip())
-    if not match:
-        return None
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
-
 
 def check_backend_version(tag: object, host: str) -> None:
     """Refuse a KFP backend older than MIN_KFP_BACKEND; warn and go on when its version is unknown."""
@@ -83,9 +65,9 @@ def check_backend_version(tag: object, host: str) -> None:
     if found < needed:
         raise FedpipeError(
             f"The Kubeflow Pipelines backend at {host} is version {tag}, and fedpipe's pipelines need KFP "
-            f"{MIN_KFP_BACKEND} or newer (Kubeflow {MIN_KUBEFLOW} or newer has it; Kubeflow 1.9.x ships KFP 2.2/2.3): "
-            "they set the tasks' resources, node selector, tolerations and the storage Secret's name from run "
-            "parameters, which older backends do not support. Upgrade Kubeflow Pipelines, then register again.")
+            f"{MIN_KFP_BACKEND} or newer (Kubeflow {MIN_KUBEFLOW} or newer has it; Kubeflow 1.9.1 ships KFP 2.3.0 and 1.10.0 ships 2.4.1): "
+            "they set the tasks' resources, node selector and tolerations from run parameters, which older "
+            "backends do not support. Upgrade Kubeflow Pipelines, then register again.")
 
 
 def _read_token(path: str, what: str) -> str:
@@ -275,3 +257,45 @@ def schedule(client, registered: Registered, job_name: str, cron: str, experimen
         if old.display_name == job_name and old.recurring_run_id != made.recurring_run_id:
             _api_call("delete the previous schedule", lambda old=old: client.delete_recurring_run(old.recurring_run_id))
     return made.recurring_run_id
+
+
+def unschedule(client, job_name: str, experiment: str, namespace: str | None = None) -> list[str]:
+    """Delete the recurring runs named `job_name` in the experiment (what `schedule` made there); returns
+    their ids, none when there is none or no such experiment (nothing is created). The chart's uninstall
+    hook and an upgrade that empties schedule.cron call it, so a recurring run does not outlive its
+    release. The server checks `delete` on jobs in the recurring run's namespace (job_server.go canAccessJob)."""
+    namespace = _namespace(client, namespace)
+    found = _api_call("look up the experiment", lambda: _get_experiment(client, experiment, namespace))
+    if found is None:
+        return []
+    listed = _api_call("list recurring runs", lambda: client.list_recurring_runs(
+        experiment_id=found.experiment_id, page_size=100, filter=_by_name(job_name)))
+    deleted = [run.recurring_run_id for run in listed.recurring_runs or [] if run.display_name == job_name]
+    for run_id in deleted:
+        _api_call("delete the recurring run", lambda run_id=run_id: _delete_recurring_run(client, run_id))
+    return deleted
+
+
+def _delete_recurring_run(client, recurring_run_id: str) -> None:
+    try:
+        client.delete_recurring_run(recurring_run_id)
+    except Exception as e:
+        if getattr(e, "status", None) != 404:  # deleted meanwhile (another uninstall): what was wanted
+            raise
+
+
+def describe_backend(client, host: str | None) -> str:
+    """One line on the KFP API `connect` checked: its release against the floor, and its mode."""
+    health = _healthz(client)
+    tag = health.get("tag_name")
+    mode = "multi-user" if health.get("multi_user") is True else "single-user"
+    version = f"version {tag}" if parse_kfp_version(tag) else f"version unknown ({tag!r})"
+    return f"Kubeflow Pipelines API at {host or client._existing_config.host}: {version}, {mode}; fedpipe needs {MIN_KFP_BACKEND} or newer"
+
+
+def backend_version(client) -> str | None:
+    """The release the KFP API server reports (healthz tag_name) when it is one, else None: what a
+    pipeline uploaded to it is compiled for (DeployOptions.kfp_version)."""
+    tag = _healthz(client).get("tag_name")
+    version = parse_kfp_version(tag)
+    return ".".join(map(str, version)) if version else None

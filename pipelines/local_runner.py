@@ -75,6 +75,9 @@ def run_method_locally(cfg: RunConfig, pipeline_root: Path, verbose: bool = Fals
 def run_locally(pipeline, arguments: dict, pipeline_root: Path, verbose: bool = False) -> Path:
     """Execute `pipeline` (compiled or built) with kfp's local runner; raises FedpipeError on failure.
     Returns the folder holding this pipeline run's task artifacts."""
+    # No scheduler hands out GPUs here: an empty count lets the device probe look at the machine itself
+    # (the compiled default "1" would say a GPU was given, and stop a run on a laptop without one).
+    arguments = {"accelerator_count": "", **arguments}
     root = Path(pipeline_root)
     root.mkdir(parents=True, exist_ok=True)
     before = set(root.iterdir())

@@ -40,7 +40,9 @@ kubeflow/pipelines):
   ``Authorization: Bearer <token>`` checked by a TokenReview with audience pipelines.kubeflow.org
   (auth/authenticator_token_review.go); here ``add_token(token, user)`` stands for the TokenReview.
   No identity: 401 (Unauthenticated); an identity not allowed in the namespace: 403
-  (PermissionDenied, a SubjectAccessReview; here ``grant(user, namespace)``);
+  (PermissionDenied, a SubjectAccessReview with the verb and resource of the call; here
+  ``grant(user, namespace)`` allows everything, ``bind_role(user, namespace, rules)`` only what a Role's
+  rules grant). Every decision is kept in ``authorizations``;
 - experiments: created and listed only with a namespace, else 400 "An experiment cannot have an empty
   namespace in multi-user mode" (server/experiment_server.go ``canAccessExperiment``), then
   authorized in it; listing returns only that namespace's experiments;
@@ -49,7 +51,9 @@ kubeflow/pipelines):
   run that names another namespace is refused ("Experiment ... belongs to namespace ... instead of
   ..."); creating, listing and deleting are authorized in that namespace (server/run_server.go
   ``createRun``/``canAccessRun``, server/job_server.go ``createJob``/``listJobs``/``canAccessJob``);
-  listing recurring runs without an experiment or a namespace is 400;
+  listing recurring runs without an experiment or a namespace is 400; deleting one looks it up before
+  authorizing, so an unknown id is 404 (job_server.go ``DeleteRecurringRun`` -> ``deleteJob`` ->
+  ``canAccessJob``);
 - pipelines: an upload with a ``namespace`` is authorized in it and the pipeline belongs to it; an
   upload without one makes a shared pipeline, which the real upload server lets through without
   authorization (server/pipeline_upload_server.go ``canUploadVersionedPipeline``); an authorization
@@ -155,6 +159,8 @@ class KfpApiStandIn:
         self.commit_sha = "0f2c9a1e"
         self.tokens: dict[str, str] = {}  # bearer token -> user: what a TokenReview would answer
         self.access: dict[str, set[str]] = {}  # user -> namespaces: what SubjectAccessReviews would allow
+        self.roles: dict[tuple[str, str], list[dict]] = {}  # (user, namespace) -> RBAC rules bound to the user there
+        self.authorizations: list[tuple[str, str, str, str, bool]] = []  # (user, namespace, verb, resource, allowed)
         self.pipelines: dict[str, dict] = {}
         self.versions: dict[str, dict] = {}  # version id -> version (with "pipeline_id")
         self.specs: dict[str, bytes] = {}  # version id -> the uploaded file
@@ -225,6 +231,19 @@ class KfpApiStandIn:
         """Let `user` do anything with KFP resources in these namespaces (a profile's contributor)."""
         with self.lock:
             self.access.setdefault(user, set()).update(namespaces)
+
+    def bind_role(self, user: str, namespace: str, rules: list[dict]) -> None:
+        """Bind a Role's `rules` (rbac.authorization.k8s.io/v1 PolicyRules) to `user` in `namespace`: a
+        SubjectAccessReview then allows exactly the verbs they grant on pipelines.kubeflow.org resources."""
+        with self.lock:
+            self.roles.setdefault((user, namespace), []).extend(rules)
+
+    def _role_allows(self, user: str, namespace: str, verb: str, resource: str) -> bool:
+        def has(values: list[str], value: str) -> bool:
+            return "*" in values or value in values
+
+        return any(has(rule.get("apiGroups", []), "pipelines.kubeflow.org") and has(rule.get("resources", []), resource)
+                   and has(rule.get("verbs", []), verb) for rule in self.roles.get((user, namespace), []))
 
     def requests(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
         """Recorded requests, optionally only those with this method and this exact path."""
@@ -375,7 +394,9 @@ class KfpApiStandIn:
             user = self._identity(req)
         except ApiError as e:
             raise ApiError(e.status, f"{context}: {e.message}") from None
-        if namespace not in self.access.get(user, set()):
+        permitted = namespace in self.access.get(user, set()) or self._role_allows(user, namespace, verb, resource)
+        self.authorizations.append((user, namespace, verb, resource, permitted))
+        if not permitted:
             raise ApiError(403, f"{context}: User '{user}' is not authorized with reason: no RBAC policy matched "
                                 f"(request: namespace={namespace} verb={verb} group=pipelines.kubeflow.org resource={resource})")
 
@@ -623,10 +644,19 @@ class KfpApiStandIn:
         return self.recurring_runs[recurring_run_id]
 
     def _delete_recurring_run(self, req, recurring_run_id):
+        """DeleteRecurringRun (server/job_server.go at 2.5.0): deleteJob -> canAccessJob, which in multi-user mode
+        looks the job up first (an unknown id is 404 before any authorization), then authorizes `delete` on
+        jobs in the job's namespace; single-user mode skips that and ResourceManager.DeleteJob answers 404
+        for an unknown id. Both wrap their error in "Failed to disable a recurring run" (sic)."""
+        context = "Failed to disable a recurring run"
         if recurring_run_id not in self.recurring_runs:
-            raise ApiError(404, f"Recurring run {recurring_run_id} not found")
+            if self.multi_user:
+                raise ApiError(404, f"{context}: Failed to authorize the request: failed to authorize with the recurring run ID: "
+                                    f"ResourceNotFoundError: Job {recurring_run_id} not found")
+            raise ApiError(404, f"{context}: Failed to delete recurring run {recurring_run_id}. Check if exists: "
+                                f"ResourceNotFoundError: Job {recurring_run_id} not found")
         self._authorize(req, self.recurring_runs[recurring_run_id]["namespace"], "delete", "jobs",
-                        "Failed to delete a recurring run: Failed to authorize the request")
+                        f"{context}: Failed to authorize the request")
         del self.recurring_runs[recurring_run_id]
         return {}
 

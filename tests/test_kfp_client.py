@@ -256,6 +256,43 @@ def test_a_bad_cron_leaves_the_existing_schedule_alone(kfp_api):
     assert list(kfp_api.recurring_runs) == [old_id]
 
 
+# -- unschedule ------------------------------------------------------------------------------------
+
+
+def test_unschedule_deletes_the_recurring_run_schedule_made_and_only_it(kfp_api):
+    ok(fedpipe_cli("schedule", "--host", kfp_api.url, "--method", "fedavg", "--cron", "0 3 * * *"))
+    ok(fedpipe_cli("schedule", "--host", kfp_api.url, "--method", "fedprox", "--cron", "0 4 * * *"))  # another pipeline's
+    [(fedavg_id, _)] = [(i, r) for i, r in kfp_api.recurring_runs.items() if r["display_name"] == "fedpipe-fedavg-schedule"]
+
+    result = ok(fedpipe_cli("unschedule", "--host", kfp_api.url, "--method", "fedavg"))
+    [delete] = kfp_api.requests("DELETE")
+    assert delete.path == f"{API}/recurringruns/{fedavg_id}" and delete.status == 200
+    assert [r["display_name"] for r in kfp_api.recurring_runs.values()] == ["fedpipe-fedprox-schedule"]
+    assert fedavg_id in result.stdout and "fedpipe-fedavg-schedule" in result.stdout
+    # the pipeline and its versions stay
+    assert kfp_api.pipeline_named("fedpipe-fedavg") is not None
+
+    # nothing left: nothing deleted, and it says so
+    again = ok(fedpipe_cli("unschedule", "--host", kfp_api.url, "--name", "fedpipe-fedavg"))
+    assert len(kfp_api.requests("DELETE")) == 1 and "nothing to delete" in again.stdout
+    # the same name in another experiment is another recurring run
+    ok(fedpipe_cli("unschedule", "--host", kfp_api.url, "--method", "fedprox", "--experiment", "nightly"))
+    assert len(kfp_api.recurring_runs) == 1 and kfp_api.experiment_named("nightly") is None, "unschedule creates nothing"
+    ok(fedpipe_cli("unschedule", "--host", kfp_api.url, "--method", "fedprox", "--experiment", "fedpipe"))
+    assert not kfp_api.recurring_runs
+
+
+def test_unschedule_of_a_recurring_run_deleted_meanwhile_succeeds(kfp_api):
+    ok(fedpipe_cli("schedule", "--host", kfp_api.url, "--method", "fedavg", "--cron", "0 3 * * *"))
+    [job_id] = kfp_api.recurring_runs
+    kfp_api.fail("DELETE", f"{API}/recurringruns/.*", 404, f"Job {job_id} not found", times=1)  # another uninstall won
+    ok(fedpipe_cli("unschedule", "--host", kfp_api.url, "--method", "fedavg"))
+    kfp_api.fail("DELETE", f"{API}/recurringruns/.*", 500, "database is down", times=1)
+    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_api.url, "--method", "fedavg"))
+    assert "refused to delete the recurring run" in message and "database is down" in message
+    assert list(kfp_api.recurring_runs) == [job_id]
+
+
 @pytest.mark.parametrize("given, sent", [("0 3 * * *", "0 0 3 * * *"), ("*/15  *  * * 1-5", "0 */15 * * * 1-5"), ("5 0 3 * * *", "5 0 3 * * *")])
 def test_kfp_cron_makes_six_fields(given, sent):
     assert kfp_cron(given) == sent
@@ -442,6 +479,45 @@ def test_schedule_from_outside_with_a_token_makes_the_recurring_run_in_the_names
     assert job["trigger"]["cron_schedule"]["cron"] == "0 30 4 * * *" and job["namespace"] == TEAM
 
 
+def test_unschedule_in_a_profile_namespace_with_only_the_verbs_it_needs(kfp_multi_user, tmp_path, monkeypatch):
+    """The verbs the real server checks (kubeflow/pipelines 2.5.0, backend/src/apiserver/server/): experiment_server.go
+    ListExperiments (list experiments, kfp's get_experiment by name), job_server.go listJobs (list jobs in the
+    experiment's namespace) and DeleteRecurringRun -> deleteJob -> canAccessJob (delete jobs in the job's namespace)."""
+    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM,
+                   "--token", TOKEN))
+    [job_id] = kfp_multi_user.recurring_runs
+    # the chart's uninstall hook: its ServiceAccount's projected token, and a Role with only these rules
+    hook_user = "system:serviceaccount:team-a:fedpipe-hook"
+    kfp_multi_user.add_token("hook-token", hook_user)
+    kfp_multi_user.bind_role(hook_user, TEAM, [
+        {"apiGroups": ["pipelines.kubeflow.org"], "resources": ["experiments"], "verbs": ["list"]},
+        {"apiGroups": ["pipelines.kubeflow.org"], "resources": ["jobs"], "verbs": ["list", "delete"]},
+    ])  # fmt: skip
+    monkeypatch.setattr(kfp_client, "IN_CLUSTER_TOKEN_PATH", str(token_file(tmp_path, "hook-token")), raising=False)
+    kfp_multi_user.recorded.clear()
+    ok(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM))
+
+    assert not kfp_multi_user.recurring_runs
+    assert_all_authenticated(kfp_multi_user, "hook-token")
+    checked = {(ns, verb, resource) for user, ns, verb, resource, _ in kfp_multi_user.authorizations if user == hook_user}
+    assert checked == {(TEAM, "list", "experiments"), (TEAM, "list", "jobs"), (TEAM, "delete", "jobs")}
+    [delete] = kfp_multi_user.requests("DELETE")
+    assert delete.path == f"{API}/recurringruns/{job_id}"
+
+
+def test_unschedule_in_a_namespace_the_caller_may_not_use_is_refused(kfp_multi_user):
+    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM,
+                   "--token", TOKEN))
+    kfp_multi_user.add_token("other-token", "system:serviceaccount:team-b:fedpipe")
+    kfp_multi_user.grant("system:serviceaccount:team-b:fedpipe", "team-b")
+    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM,
+                                          "--token", "other-token"))
+    assert "is not authorized" in message and TEAM in message
+    assert len(kfp_multi_user.recurring_runs) == 1
+    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
+    assert "multi-user" in message and "--namespace" in message
+
+
 @pytest.mark.parametrize("command", [["register"], ["submit"], ["schedule", "--cron", "0 3 * * *"]], ids=["register", "submit", "schedule"])
 def test_multi_user_without_a_namespace_is_refused_before_anything_is_sent(kfp_multi_user, command):
     message = error_paragraph(fedpipe_cli(*command, "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
@@ -544,6 +620,30 @@ def test_the_multi_user_standin_enforces_identity_and_namespaces(kfp_multi_user)
     assert status == 200 and made["namespace"] == TEAM
     assert call(kfp_multi_user, "GET", f"{API}/recurringruns", headers=bearer)[0] == 400  # neither experiment nor namespace
     assert call(kfp_multi_user, "DELETE", f"{API}/recurringruns/{made['recurring_run_id']}")[0] == 401
+
+
+def test_the_standin_deletes_recurring_runs_as_the_real_server_does():
+    """DeleteRecurringRun (job_server.go at 2.5.0): an unknown id is 404 in both modes (multi-user: canAccessJob
+    looks the job up before authorizing); a known one is authorized in its namespace, then gone."""
+    spec = {"pipelineInfo": {"name": "p"}, "root": {}}
+    for multi_user in (False, True):
+        with KfpApiStandIn(multi_user=multi_user) as server:
+            server.add_token(TOKEN, USER)
+            server.grant(USER, TEAM)
+            bearer = {"Authorization": f"Bearer {TOKEN}"}
+            status, error = call(server, "DELETE", f"{API}/recurringruns/no-such-id", headers=bearer)
+            assert status == 404 and "Failed to disable a recurring run" in error["message"] and "no-such-id" in error["message"]
+            _, experiment = call(server, "POST", f"{API}/experiments", {"display_name": "e", "namespace": TEAM}, bearer)
+            job = {"display_name": "j", "experiment_id": experiment["experiment_id"], "pipeline_spec": spec,
+                   "trigger": {"cron_schedule": {"cron": "0 0 3 * * *"}}}
+            _, made = call(server, "POST", f"{API}/recurringruns", job, bearer)
+            path = f"{API}/recurringruns/{made['recurring_run_id']}"
+            if multi_user:
+                server.add_token("other", "system:serviceaccount:team-b:x")
+                assert call(server, "DELETE", path, headers={"Authorization": "Bearer other"})[0] == 403
+                assert made["recurring_run_id"] in server.recurring_runs
+            assert call(server, "DELETE", path, headers=bearer) == (200, {})
+            assert not server.recurring_runs and call(server, "GET", path, headers=bearer)[0] == 404
 
 
 # -- the KFP backend's version --------------------------------------------------------------------

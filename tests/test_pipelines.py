@@ -1,6 +1,7 @@
 """The Kubeflow pipelines: generated from the phase lists, shipped compiled and up to date, free of
 credentials, and run end to end by kfp's local runner (every task in its own process)."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,8 +13,14 @@ from runs import SMALL
 
 import fedpipe.components
 from fedpipe.algorithms import ALGORITHMS, phases_of
-from fedpipe.components.definitions import compile_components
-from fedpipe.pipelines.builder import SHIPPED, DeployOptions, compile_pipeline, method_pipeline, shipped_pipelines
+from fedpipe.pipelines.builder import (
+    SHIPPED,
+    DeployOptions,
+    compile_pipeline,
+    compile_shipped_components,
+    method_pipeline,
+    shipped_pipelines,
+)
 from fedpipe.run.config import load_config
 
 COMPONENTS = os.path.dirname(fedpipe.components.__file__)
@@ -30,8 +37,7 @@ def test_shipped_pipelines_and_components_are_up_to_date(tmp_path):
         assert shipped.exists() and shipped.read_text() == (tmp_path / name).read_text(), (
             f"pipelines/{name} is out of date with the code: run `fedpipe compile --all` and commit the result"
         )
-    release = DeployOptions()
-    for path in compile_components(tmp_path / "components", release.image, release.training_image):
+    for path in compile_shipped_components(tmp_path / "components"):
         shipped = os.path.join(COMPONENTS, path.name)
         assert open(shipped).read() == path.read_text(), f"components/{path.name} is out of date: run `fedpipe compile --all`"
 
@@ -96,9 +102,12 @@ def test_the_pipeline_runs_locally_with_one_task_per_phase(tmp_path):
     assert len(runs) == 1
     html = (runs[0] / "evaluate" / "report").read_text()
     assert html.startswith("<!doctype html>") and html.count("data:image/png;base64,") == 3
-    # the phases' states travelled between tasks as artifacts, and equal what the store holds
+    # the phases' states stayed in the run's store: between tasks went a pointer naming the object and its hash
     for task, phase in (("train-phase", "federation"), ("train-phase-2", "personalization")):
-        assert (runs[0] / task / "state").read_bytes() == (tmp_path / "pipe" / "phases" / phase / "final.pt").read_bytes()
+        pointer = json.loads((runs[0] / task / "state").read_text())
+        final = (tmp_path / "pipe" / "phases" / phase / "final.pt").read_bytes()
+        assert pointer["key"] == f"pipe/phases/{phase}/final.pt" and pointer["size"] == len(final)
+        assert pointer["sha256"] == hashlib.sha256(final).hexdigest() and (runs[0] / task / "state").stat().st_size < 1024
 
 
 @pytest.mark.slow
@@ -139,9 +148,10 @@ def test_a_distributed_phase_is_a_pytorchjob_launcher_task(tmp_path):
     storage = params["storage"]["runtimeValue"]["constant"]
     assert storage == {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": ["accesskey", "secretkey"],
                        "pushgateway": "http://pgw:9091", "extra_env": {}}
-    # The training-resource parameters size each pod of the job; the Secret name is the run's parameter.
-    for key in ("cpu_request", "cpu_limit", "memory_request", "memory_limit", "accelerator_type", "node_selector", "tolerations", "s3_secret"):
+    # The training-resource parameters size each pod of the job; the Secret's name is fixed at compile time.
+    for key in ("cpu_request", "cpu_limit", "memory_request", "memory_limit", "accelerator_type", "node_selector", "tolerations"):
         assert params[key] == {"componentInputParameter": key}, key
+    assert params["s3_secret"] == {"runtimeValue": {"constant": options.s3_secret}}
     artifacts = launcher["inputs"]["artifacts"]
     assert artifacts["previous"]["taskOutputArtifact"] == {"outputArtifactKey": "state", "producerTask": next(iter(training))}
     assert tasks["evaluate"]["inputs"]["artifacts"]["state"]["taskOutputArtifact"]["producerTask"] == name
@@ -282,3 +292,13 @@ def test_a_base_config_pasted_in_the_ui_keeps_the_deployments_store_and_pushgate
     changed = {**defaults, "telemetry.pushgateway": "http://ui:9091"}
     cfg = resolve_config(own, changed, defaults, [], "job1", str(tmp_path / "c.yaml"))
     assert cfg.telemetry.pushgateway == "http://ui:9091"
+
+
+def test_an_unset_flag_keeps_the_environments_deployment_value(monkeypatch):
+    """The chart's registration Job passes the store's endpoint and Secret as env (FEDPIPE_S3_ENDPOINT,
+    FEDPIPE_S3_SECRET) and leaves the flags unset: their None must not hide the env."""
+    monkeypatch.setenv("FEDPIPE_S3_ENDPOINT", "http://seaweedfs.kubeflow:8333")
+    monkeypatch.setenv("FEDPIPE_S3_SECRET", "team-s3")
+    options = DeployOptions.from_env(s3_endpoint=None, s3_secret=None, pushgateway="http://pgw:9091")
+    assert (options.s3_endpoint, options.s3_secret, options.pushgateway) == ("http://seaweedfs.kubeflow:8333", "team-s3", "http://pgw:9091")
+    assert DeployOptions.from_env(s3_secret="flag-wins").s3_secret == "flag-wins"

@@ -22,6 +22,7 @@ from fedpipe.data.partition import Partition, make_partition
 from fedpipe.engine import distributed
 from fedpipe.engine.choice import EngineChoice, choose, clients_mode, usable_cores
 from fedpipe.engine.clients import ClientTrainer
+from fedpipe.engine.devices import resolve_device
 from fedpipe.engine.distributed import DistributedRound, TrainerRecipe
 from fedpipe.engine.rounds import run_phase
 from fedpipe.engine.state import Checkpoints, PhaseState
@@ -57,10 +58,9 @@ class Run:
     # --- building blocks --------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        want = self.cfg.run.device
-        if want == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("run.device=cuda but no GPU is visible to PyTorch; use run.device=auto or cpu.")
-        return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+        """run.device resolved (`fedpipe.engine.devices`): a GPU this process was given but PyTorch
+        cannot use stops the run instead of leaving it idle while the CPU trains."""
+        return resolve_device(self.cfg.run.device)
 
     @property
     def bundle(self) -> DatasetBundle:
@@ -132,6 +132,7 @@ class Run:
         Under torchrun (or a PyTorchJob) every rank calls this: rank 0 runs the phase and returns its
         state, the other ranks train the clients rank 0 hands them and return None. Otherwise
         `engine.processes > 1` starts that many ranks on this machine (`distributed.run_ranks`)."""
+        resolve_device(self.cfg.run.device)  # a GPU given but unusable stops the phase here, before any rank starts
         choice = None if distributed.launched_by_torchrun() else engine_choice(self, phase_name)
         run = self if choice is None else Run(self.cfg.model_copy(update={"engine": self.cfg.engine.model_copy(
             update={"clients": choice.clients, "processes": choice.processes})}), self.store)

@@ -33,6 +33,7 @@ ALL_ON = [
     "--set", "serviceMonitor.enabled=true",
     "--set", "serviceMonitor.labels.release=kube-prometheus-stack",
     "--set", "networkPolicy.enabled=true",
+    "--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32}",
     "--set", "dashboard.annotations.grafana_folder=fedpipe",
     "--set", "image.tag=0.2.0",
     "--set", "image.trainingTag=0.2.0-cuda12",
@@ -105,13 +106,40 @@ def _closed(schema):
     return out
 
 
+def _list_map_problems(schema: dict, value, path: str = "") -> list[str]:
+    """Duplicate keys in lists the schema declares `x-kubernetes-list-type: map` (env by name, volumes by
+    name, ...): the API server refuses them (a structural schema's list-map keys must be unique)."""
+    problems = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = (schema.get("properties") or {}).get(key)
+            if sub is None and isinstance(schema.get("additionalProperties"), dict):
+                sub = schema["additionalProperties"]
+            if sub is not None:
+                problems += _list_map_problems(sub, item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and "items" in schema:
+        if schema.get("x-kubernetes-list-type") == "map":
+            keys = [tuple(item.get(k) for k in schema["x-kubernetes-list-map-keys"]) for item in value if isinstance(item, dict)]
+            problems += [f"{path}: Duplicate value: {list(key)}" for key in {k for k in keys if keys.count(k) > 1}]
+        for index, item in enumerate(value):
+            problems += _list_map_problems(schema["items"], item, f"{path}[{index}]")
+    return problems
+
+
+def crd_schema_problems(schema_path: Path, doc: dict) -> list[str]:
+    """What the API server refuses in a custom resource by its CRD's openAPIV3Schema: the schema closed
+    (`_closed`) and list-map keys unique. CEL rules and webhooks are each kind's own checks."""
+    jsonschema = import_tool("jsonschema", "jsonschema")
+    schema = yaml.safe_load(schema_path.read_text())
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                for e in jsonschema.Draft7Validator(_closed(schema)).iter_errors(doc)]
+    return problems + _list_map_problems(schema, doc)
+
+
 def pytorchjob_problems(doc: dict) -> list[str]:
     """What the API server and the Training Operator's admission webhook would refuse in a PyTorchJob
     (tests/deploy/schemas/README.md): the CRD schema, closed; then the webhook's rules."""
-    jsonschema = import_tool("jsonschema", "jsonschema")
-    schema = _closed(yaml.safe_load(PYTORCHJOB_SCHEMA.read_text()))
-    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
-                for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+    problems = crd_schema_problems(PYTORCHJOB_SCHEMA, doc)
     if doc.get("apiVersion") != "kubeflow.org/v1" or doc.get("kind") != "PyTorchJob":
         problems.append("not a kubeflow.org/v1 PyTorchJob")
     name = (doc.get("metadata") or {}).get("name", "")
@@ -197,18 +225,38 @@ def only(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
 def sample_pytorchjob(phase: str = "personalization", *, store: str = "s3://mlpipeline/fedpipe", resources: dict | None = None,
                       **job) -> dict:
     """A phase's PyTorchJob as the launcher task renders it (fedpipe.k8s.pytorchjob), for a
-    superfed_mm run in Kubeflow's MinIO with its credentials Secret."""
-    from fedpipe.k8s.pytorchjob import PhaseJob, PodResources, StorageAccess, phase_job_manifest
+    superfed_mm run in Kubeflow's MinIO with its credentials Secret; with api="trainjob", its TrainJob
+    (fedpipe.k8s.trainjob) from the same inputs."""
+    from fedpipe.k8s.launcher import job_manifest
+    from fedpipe.k8s.phasejob import PhaseJob, PodResources, StorageAccess
     from fedpipe.run.config import load_config
 
     cfg = load_config(None, ["method.name=superfed_mm", f"run.store={store}", "run.id=superfed-mm-test-0a1b2c3d-job42"])
-    return phase_job_manifest(
+    return job_manifest(
         run_id=cfg.run_id(), phase=phase, config_yaml=cfg.to_yaml(), namespace=NAMESPACE,
         image="ghcr.io/fedpipe/fedpipe:0.1.0-cuda", job=PhaseJob(phase=phase, **job),
         resources=PodResources(**(resources or {})),
         storage=StorageAccess(s3_endpoint="http://minio-service.kubeflow:9000", s3_secret="mlpipeline-minio-artifact",
                               pushgateway=f"http://fedpipe-pushgateway.{NAMESPACE}:9091"),
     )
+
+
+def run_training_container(container: dict, config_text: str, controller_env: dict[str, str], folder: Path) -> subprocess.CompletedProcess:
+    """A job pod's training container, run here as Kubernetes would start it: the run config where the
+    downward-API volume puts it (/etc/fedpipe/config.yaml, here in `folder`), the $(VAR)s of its args
+    expanded from `controller_env` (what the job's controller sets in the pod), its plain env set (the
+    store endpoint dropped: the config's store is a folder here). First `fedpipe partition`, as the
+    pipeline's partition task would; returns the finished container command (torchrun)."""
+    from fedpipe.k8s.phasejob import CONFIG_PATH
+
+    config = folder / "config.yaml"
+    config.write_text(config_text)
+    args = [re.sub(r"\$\((\w+)\)", lambda m: controller_env[m[1]], a).replace(CONFIG_PATH, str(config)) for a in container["args"]]
+    env = {**os.environ, **controller_env, **{e["name"]: e["value"] for e in container["env"] if "value" in e}, "HOME": str(folder)}
+    env.pop("FEDPIPE_S3_ENDPOINT")
+    python = Path(sys.executable)
+    subprocess.run([str(python), "-m", "fedpipe.cli", "partition", "-c", str(config)], env=env, check=True, capture_output=True, timeout=300)
+    return subprocess.run([str(python.parent / container["command"][0]), *args], env=env, capture_output=True, text=True, timeout=600)
 
 
 def write_overlay(root: Path, kustomization: str) -> Path:

@@ -65,7 +65,8 @@ def test_created_secret_is_the_only_place_credentials_appear(helm: str):
 
 def test_default_chart_render_has_no_credentials(render_chart):
     assert_no_credentials(render_chart(), "the default chart render")
-    assert_no_credentials(render_chart("--set", "schedule.cron=0 0 3 * * *", "--set", "networkPolicy.enabled=true"), "the chart")
+    assert_no_credentials(render_chart("--set", "schedule.cron=0 0 3 * * *", "--set", "networkPolicy.enabled=true",
+                                       "--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32}"), "the chart")
 
 
 def test_kustomize_output_has_no_credentials(build_kustomization, kustomize_overlay):

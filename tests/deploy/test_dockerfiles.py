@@ -101,6 +101,25 @@ def test_lean_non_root_final_stage():
     assert "${WHEELS_ONLY:+--no-index}" in install
 
 
+def env_of(stage: list[dockerfile.Command]) -> dict[str, str]:
+    return {k: v for c in stage if c.cmd == "ENV" for k, v in zip(c.value[::2], c.value[1::2])}
+
+
+def test_the_image_asks_for_no_gpu_of_its_own():
+    # A GPU reaches a pod only through what the node sets up for it: the device plugin (NVIDIA_VISIBLE_DEVICES=<its
+    # GPUs>, or the volume-mounts list, or CDI) or `docker run --gpus`. `all` baked into the image made the NVIDIA
+    # runtime (which by default honours the variable in unprivileged containers) hand every GPU of the node to any
+    # pod of this image, CPU tasks included. `void` is the runtime's "behave like runc"; it also overrides an `all`
+    # inherited from another BASE_IMAGE (nvidia/cuda sets it).
+    for name, stage in stages().items():
+        assert env_of(stage).get("NVIDIA_VISIBLE_DEVICES", "void") == "void", f"stage {name} asks for GPUs"
+    final = env_of(stages()["final"])
+    assert final.get("NVIDIA_VISIBLE_DEVICES") == "void"
+    # A "legacy CUDA image" (CUDA_VERSION without NVIDIA_REQUIRE_CUDA) makes the toolkit treat an unset or empty
+    # NVIDIA_VISIBLE_DEVICES as `all` (nvidia-container-toolkit internal/config/image/cuda_image.go).
+    assert "CUDA_VERSION" not in final or "NVIDIA_REQUIRE_CUDA" in final
+
+
 def test_python_311_base_and_no_secrets_baked_in():
     assert arg_defaults()["BASE_IMAGE"] == "python:3.11-slim-bookworm"
     assert [c.value[0] for c in commands() if c.cmd == "FROM"] == ["scratch", "${BASE_IMAGE}", "${BASE_IMAGE}"]

@@ -7,11 +7,16 @@ import re
 
 import pytest
 import yaml
-from deploytools import ALL_ON, CHART, DASHBOARD_JSON, NAMESPACE, RELEASE, containers, only, run_tool
+from deploytools import ALL_ON, CHART, DASHBOARD_JSON, NAMESPACE, RELEASE, only, run_tool
 
 from fedpipe.pipelines.builder import LAUNCHER_COMPONENT, POD_LABEL, RESOURCE_PARAMETERS
 from fedpipe.run.config import load_config
 
+# networkPolicy.enabled needs the Kubernetes API server's addresses (every task pod's launcher reads the
+# storage Secret through it).
+API_SERVER = ["--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32}"]
+ALL_ON = [*ALL_ON, *API_SERVER]
+NETWORK = ["--set", "networkPolicy.enabled=true", *API_SERVER]
 # A cluster that serves the Prometheus Operator's ServiceMonitor API (kube-prometheus-stack installed).
 OPERATOR = ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]
 # A CPU-only cluster whose Pushgateway is someone else's (e.g. the prometheus-community chart's).
@@ -19,7 +24,7 @@ EXTERNAL_PUSHGATEWAY = "http://prometheus-pushgateway.monitoring:9091"
 CPU_EXTERNAL = [
     "--set", "training.acceleratorCount=0", "--set", "pushgateway.enabled=false",
     "--set", "prometheusScrapeConfig.enabled=false", "--set", f"pushgateway.url={EXTERNAL_PUSHGATEWAY}",
-    "--set", "networkPolicy.enabled=true",
+    *NETWORK,
 ]  # fmt: skip
 
 # Every switch on its own, and all of them together.
@@ -45,7 +50,8 @@ VALUE_SETS = {
 @pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
 def test_helm_lint_passes(helm: str, strict: bool, tmp_path):
     values = tmp_path / "all-on.yaml"
-    values.write_text(yaml.safe_dump({"schedule": {"cron": "0 0 3 * * *"}, "networkPolicy": {"enabled": True}}))
+    values.write_text(yaml.safe_dump({"schedule": {"cron": "0 0 3 * * *"},
+                                        "networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["172.18.0.2/32"]}}}))
     for extra in ([], ["-f", str(values)]):
         argv = [helm, "lint", str(CHART), *(["--strict"] if strict else []), *extra]
         out = run_tool(argv).stdout
@@ -66,8 +72,15 @@ def test_default_render_has_exactly_the_default_pieces(render_chart):
             "ConfigMap/fedpipe-run-config",
             "Deployment/fedpipe-pushgateway",
             "Job/fedpipe-register",
+            # `helm test` pods (hooks: applied only by `helm test`)
+            "Pod/fedpipe-test-kfp-api",
+            "Pod/fedpipe-test-pushgateway",
+            "Pod/fedpipe-test-storage",
             "Role/fedpipe-register",
             "RoleBinding/fedpipe-register",
+            # what `fedpipe unschedule` calls, for an upgrade that empties schedule.cron
+            "Role/fedpipe-unschedule",
+            "RoleBinding/fedpipe-unschedule",
             "Service/fedpipe-pushgateway",
             "ServiceAccount/fedpipe",
         ]
@@ -134,7 +147,8 @@ def test_run_config_is_a_valid_fedpipe_config(render_chart, tmp_path):
 
 
 def job_containers(docs: list[dict]) -> list[dict]:
-    return containers(only(docs, "Job", "-register")["spec"]["template"]["spec"])
+    """The registration Job's main containers (register or schedule; the unschedule init container aside)."""
+    return only(docs, "Job", "-register")["spec"]["template"]["spec"]["containers"]
 
 
 def job_env(docs: list[dict]) -> dict[str, str]:
@@ -275,7 +289,8 @@ def test_registration_job_registers_and_schedules(render_chart):
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
     assert "before-hook-creation" in job["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
     pod = job["spec"]["template"]["spec"]
-    assert "initContainers" not in pod
+    # without a cron, first remove a recurring run an earlier revision scheduled (test_chart_hooks.py)
+    assert [c["args"][0] for c in pod["initContainers"]] == ["unschedule"]
     (register,) = pod["containers"]
     assert register["command"] == ["fedpipe"]
     assert register["args"][0] == "register"
@@ -309,8 +324,8 @@ def test_registration_job_authenticates_with_a_projected_kfp_token(render_chart)
 
 
 def test_rbac_grants_only_kfp_verbs_the_job_uses(render_chart):
-    def rules(*args: str) -> dict[str, list[str]]:
-        role = only(render_chart(*args), "Role", "-register")
+    def rules(*args: str, role_suffix: str = "-register") -> dict[str, list[str]]:
+        role = only(render_chart(*args), "Role", role_suffix)
         granted = {}
         for rule in role["rules"]:
             assert rule["apiGroups"] == ["pipelines.kubeflow.org"], rule  # no Kubernetes API access
@@ -324,6 +339,10 @@ def test_rbac_grants_only_kfp_verbs_the_job_uses(render_chart):
         "experiments": ["create", "get", "list"],
         "jobs": ["create", "delete", "get", "list"],
     }
+    # `fedpipe unschedule` (uninstall hook; the Job's first step without a cron), with or without a cron;
+    # test_chart_hooks.py runs it against the multi-user stand-in with only these rules bound
+    for values in ([], ["--set", "schedule.cron=0 0 3 * * *"]):
+        assert rules(*values, role_suffix="-unschedule") == {"experiments": ["list"], "jobs": ["delete", "list"]}
 
 
 def test_monitoring_pieces_point_at_the_pushgateway(render_chart):
@@ -383,19 +402,19 @@ def test_network_policy_allows_what_training_needs(render_chart):
 
 
 def test_network_policy_selects_fedpipe_s_task_pods_only(render_chart):
-    docs = render_chart("--set", "networkPolicy.enabled=true")
+    docs = render_chart(*NETWORK)
     policy = only(docs, "NetworkPolicy", "-training-egress")
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/part-of"] == "fedpipe"
     assert selects(policy, task_pod_labels())
     assert not selects(policy, {"pipelines.kubeflow.org/v2_component": "true"}), "another pipeline's task pod"
     for workload in ("Deployment", "Job"):  # the Pushgateway and the registration Job are not task pods
         assert not selects(policy, only(docs, workload)["spec"]["template"]["metadata"]["labels"]), workload
-    custom = only(render_chart("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.podSelector.matchLabels.team=a"),
+    custom = only(render_chart(*NETWORK, "--set", "networkPolicy.podSelector.matchLabels.team=a"),
                   "NetworkPolicy")  # fmt: skip
     assert custom["spec"]["podSelector"]["matchLabels"]["team"] == "a"
 
 
-def test_launcher_pods_reach_the_api_server_and_only_they(render_chart, validate_k8s):
+def test_task_pods_and_the_launcher_reach_the_api_server_and_a_pytorchjob_s_pods_never(render_chart, validate_k8s):
     docs = render_chart("--set", "pytorchJob.enabled=true", "--set", "networkPolicy.enabled=true",
                         "--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32}")  # fmt: skip
     validate_k8s(docs)
@@ -412,6 +431,26 @@ def test_launcher_pods_reach_the_api_server_and_only_they(render_chart, validate
     job_policies = [d for d in docs if d["kind"] == "NetworkPolicy" and selects(d, job_pod)]
     assert job_policies and not [r for d in job_policies for r in d["spec"]["egress"] if any("ipBlock" in peer for peer in r.get("to", []))]
     assert "NetworkPolicy" not in {d["kind"] for d in render_chart("--set", "pytorchJob.enabled=true")}
+
+
+def test_network_policy_needs_the_api_server_s_addresses_for_every_task_pod(helm: str, render_chart, validate_k8s):
+    """KFP's launcher in every task pod reads the artifact-store Secret through the Kubernetes API
+    (kubeflow/pipelines 2.5.0 and 2.16.0, backend/src/v2/component/launcher_v2.go, LauncherV2.Execute ->
+    backend/src/v2/objectstore/object_store.go, OpenBucket -> createS3BucketSession -> getS3BucketCredential:
+    CoreV1().Secrets(namespace).Get), so an egress policy without the API server breaks every task, not
+    only the PyTorchJob launcher. (The kfp-launcher ConfigMap is read by the root DAG's driver pod,
+    backend/src/v2/driver/driver.go RootDAG at 2.5.0, driver/root_dag.go at 2.16.0, which the policy does not select.)"""
+    for extra in ([], ["--set", "pytorchJob.enabled=true"], ["--set", "networkPolicy.apiServer.cidrs=null"]):
+        proc = run_tool([helm, "template", RELEASE, str(CHART), "--set", "networkPolicy.enabled=true", *extra], check=False)
+        assert proc.returncode != 0, f"networkPolicy.enabled without the API server's addresses was accepted ({extra})"
+        assert "networkPolicy.apiServer.cidrs is required" in proc.stderr and "kubectl get endpointslices" in proc.stderr, proc.stderr
+    docs = render_chart("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32,172.18.0.3/32}")
+    validate_k8s(docs)
+    task_policies = [d for d in docs if d["kind"] == "NetworkPolicy" and selects(d, task_pod_labels())]
+    reached = {(peer["ipBlock"]["cidr"], port["port"]) for policy in task_policies for rule in policy["spec"]["egress"]
+               for peer in rule.get("to", []) if "ipBlock" in peer for port in rule["ports"]}  # fmt: skip
+    assert reached == {(cidr, port) for cidr in ("172.18.0.2/32", "172.18.0.3/32") for port in (443, 6443)}
+    assert "NetworkPolicy" not in {d["kind"] for d in render_chart()}, "off by default: no addresses needed"
 
 
 def test_network_policy_reaches_an_external_pushgateway(render_chart):
@@ -446,8 +485,12 @@ def test_notes_tell_what_to_do_next(helm: str):
         f"http://fedpipe-pushgateway.{NAMESPACE}:9091",
         'search "fedpipe"',
         "2.5.0",
+        "job/fedpipe-unschedule",  # the recurring run goes with the release
+        "--no-hooks",
+        "helm test fedpipe",
     ]:
         assert part in text, text
+    assert "helm test" not in notes(helm, "--set", "tests.enabled=false")
 
 
 def test_notes_name_only_what_the_release_created(helm: str):
@@ -491,7 +534,8 @@ FREE_FORM = {
     "runConfig", "register.resources", "podSecurityContext", "containerSecurityContext", "pushgateway.resources",
     "pushgateway.podSecurityContext", "pushgateway.containerSecurityContext", "dashboard.labels", "serviceMonitor.labels",
     "networkPolicy.podSelector", "networkPolicy.dns.podLabels", "networkPolicy.storage.podLabels",
-    "networkPolicy.pushgateway.podLabels", "training.resources", "steps.resources",
+    "networkPolicy.pushgateway.podLabels", "training.resources", "steps.resources", "register.podAnnotations",
+    "pushgateway.podAnnotations", "tests.resources",
 }  # fmt: skip
 
 

@@ -135,3 +135,15 @@ def test_scrape_configs_pass_promtool_and_target_the_pushgateway(render_chart, b
         (job,) = yaml.safe_load(text)["scrape_configs"]
         assert job["honor_labels"] is True, name
         assert job["static_configs"][0]["targets"] == [expected[name]], name
+
+
+def test_the_pushgateway_and_the_job_run_outside_the_mesh_as_in_the_chart(build_kustomization, kustomize_overlay):
+    """In a profile namespace (istio-injection: enabled) a meshed Pushgateway refuses KFP's plaintext pushes and a
+    classic sidecar keeps the Job from finishing (tests/deploy/istio_model.py, test_chart_istio.py)."""
+    from istio_model import PROFILE_NAMESPACE_LABELS, sidecar_injected
+
+    for docs in (build_kustomization(MANIFESTS), build_kustomization(kustomize_overlay)):
+        for kind, name in (("Deployment", "pushgateway"), ("Job", "register")):
+            meta = only(docs, kind, name)["spec"]["template"]["metadata"]
+            assert meta.get("annotations", {}).get("sidecar.istio.io/inject") == "false", f"{kind} {name}: {meta}"
+            assert not sidecar_injected(PROFILE_NAMESPACE_LABELS, meta["labels"], meta["annotations"])

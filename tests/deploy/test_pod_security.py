@@ -23,6 +23,7 @@ def workloads(request, render_chart, build_kustomization, kustomize_overlay) -> 
             "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--set", "training.acceleratorCount=0",
             "--set", "pushgateway.enabled=false", "--set", "prometheusScrapeConfig.enabled=false",
             "--set", "pushgateway.url=http://prometheus-pushgateway.monitoring:9091", "--set", "networkPolicy.enabled=true",
+            "--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32}",
         ),
         "kustomize-base": lambda: build_kustomization(MANIFESTS),
         "kustomize-overlay": lambda: build_kustomization(kustomize_overlay),

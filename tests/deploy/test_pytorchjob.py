@@ -22,6 +22,7 @@ from deploytools import (
     pod_templates,
     pytorchjob_problems,
     run_tool,
+    run_training_container,
     sample_pytorchjob,
     write_overlay,
 )
@@ -256,12 +257,6 @@ def test_the_pods_command_runs_under_torchrun(tmp_path):
     """The Master pod's command, with the $(VAR)s expanded as Kubernetes would from the operator's env,
     run here for one node and one process: torchrun accepts the arguments, `-m fedpipe.cli train`
     runs the phase from the mounted config, and the phase's state lands in the store."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from runs import SMALL
     from services import free_port
 
@@ -275,15 +270,8 @@ def test_the_pods_command_runs_under_torchrun(tmp_path):
                              storage=StorageAccess(s3_endpoint="http://unused:9000", s3_secret="s"))
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
     (container,) = master["spec"]["containers"]
-    config = tmp_path / "config.yaml"  # what the downward-API volume puts at /etc/fedpipe/config.yaml
-    config.write_text(master["metadata"]["annotations"][CONFIG_ANNOTATION])
     operator_env = {"PET_NODE_RANK": "0", "PET_NNODES": "1", "PET_NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0"}
-    args = [re.sub(r"\$\((\w+)\)", lambda m: operator_env[m[1]], a).replace(CONFIG_PATH, str(config)) for a in container["args"]]
-    env = {**os.environ, **operator_env, **{e["name"]: e["value"] for e in container["env"] if "value" in e}, "HOME": str(tmp_path)}
-    env.pop("FEDPIPE_S3_ENDPOINT")
-    python = Path(sys.executable)
-    subprocess.run([str(python), "-m", "fedpipe.cli", "partition", "-c", str(config)], env=env, check=True, capture_output=True, timeout=300)
-    done = subprocess.run([str(python.parent / container["command"][0]), *args], env=env, capture_output=True, text=True, timeout=600)
+    done = run_training_container(container, master["metadata"]["annotations"][CONFIG_ANNOTATION], operator_env, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert (store / "torchrun-test" / "phases" / "federation" / "final.pt").is_file()

@@ -12,6 +12,7 @@ passes the PyTorchJob CRD schema check of the deploy tests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -228,19 +229,22 @@ RESOURCES = {"cpu_request": "2", "cpu_limit": "4", "memory_request": "4Gi", "mem
 
 @pytest.mark.services
 def test_the_launcher_task_runs_the_phase_through_the_store(k8s, s3_env, s3_credentials, tmp_path):
-    """What the pipeline's launch_phase_job task does: bring the inputs into the S3 store, create the
-    job, wait, copy the phase's state (written by the job's rank 0, here by the stand-in) out."""
+    """What the pipeline's launch_phase_job task does: check the previous phase's state in the S3 store
+    against the pointer it was handed, create the job, wait, hand on a pointer to the phase's state
+    (written by the job's rank 0, here by the stand-in)."""
     import uuid
 
     from fedpipe.k8s.pytorchjob import CONFIG_ANNOTATION, phase_job_name
+    from fedpipe.run.run import Run
     from fedpipe.store import open_store
 
     cfg, config = resolved_config(tmp_path, f"s3://fedpipe-k8s-{uuid.uuid4().hex[:10]}/runs")
     run_id = cfg.run_id()
     manifest, previous, state = tmp_path / "manifest.json", tmp_path / "previous.pt", tmp_path / "state.pt"
     bodies.partition(str(config), str(manifest), str(tmp_path / "heatmap.html"))
-    previous.write_bytes(b"federation's final state")
     store = open_store(cfg.run.store)
+    store.put(f"{run_id}/phases/federation/final.pt", b"federation's final state")  # what the federation task left
+    bodies.write_pointer(Run(cfg, store), f"{run_id}/phases/federation/final.pt", str(previous))
     rounds = [{"round": 1, "train_loss": 0.9}, {"round": 2, "train_loss": 0.5, "personalized_accuracy": 0.8}]
 
     def rank_zero_writes_the_store(job: dict) -> None:  # what the job's pods would do
@@ -255,8 +259,9 @@ def test_the_launcher_task_runs_the_phase_through_the_store(k8s, s3_env, s3_cred
                                   storage={"s3_endpoint": s3_env, "s3_secret": "team-s3", "s3_secret_keys": ["ak", "sk"],
                                            "pushgateway": "", "extra_env": {}})
     assert last == rounds[-1]
-    assert state.read_bytes() == b"personalization's final state"
-    assert store.get(f"{run_id}/phases/federation/final.pt") == b"federation's final state", "the input was not brought in"
+    pointer = json.loads(state.read_text())
+    assert pointer["url"] == store.url(f"{run_id}/phases/personalization/final.pt")
+    assert pointer["sha256"] == hashlib.sha256(b"personalization's final state").hexdigest()
     (job,) = k8s.created
     assert job["metadata"]["name"] == name and job["metadata"]["namespace"] == NAMESPACE
     template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]

@@ -15,6 +15,7 @@ machine's torch) gives the same summary: the image changes where the code runs, 
 This test fails, never skips, when podman or the image is missing: `make test` builds the image first.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -63,7 +64,7 @@ def _run(pipeline, runner, root, run_id: str) -> None:
     os.makedirs(root, mode=0o777, exist_ok=True)
     os.chmod(root, 0o777)  # the image's user (1000) writes the task outputs into this folder
     local.init(runner=runner, pipeline_root=str(root), raise_on_error=True)
-    pipeline(base_config=_config(run_id))
+    pipeline(base_config=_config(run_id), accelerator_count="0")  # a CPU run, as the UI starts one on a CPU node
 
 
 def _summary(client: Minio, run_id: str) -> dict:
@@ -108,10 +109,13 @@ def test_the_compiled_pipeline_runs_in_the_image_and_equals_the_subprocess_run(
     assert state.stat().st_uid == 1000, "task outputs are written by the image's user"
     stored = client.get_object(BUCKET, "runs/in-containers/phases/personalization/final.pt")
     try:
-        assert state.read_bytes() == stored.read(), "the state artifact is the phase's final checkpoint in the store"
+        final = stored.read()
     finally:
         stored.close()
         stored.release_conn()
+    pointer = json.loads(state.read_text())  # the state stays in the store; the artifact points at it
+    assert pointer["url"] == f"s3://{BUCKET}/runs/in-containers/phases/personalization/final.pt", pointer
+    assert pointer["sha256"] == hashlib.sha256(final).hexdigest() and pointer["size"] == len(final)
 
     # the round metrics left the containers: Prometheus scraped them from the Pushgateway
     # (the run deleted its groups when it finished; Prometheus keeps what it scraped)

@@ -164,7 +164,8 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 
 {{/* A container running the fedpipe CLI in the registration Job; call with
-     (dict "ctx" $ "name" "register" "args" (list ...)). */}}
+     (dict "ctx" $ "name" "register" "args" (list ...)), and "kfpOnly" true for a command that only talks to
+     the KFP API (unschedule, check kfp): no run config, no storage settings. */}}
 {{- define "fedpipe.cliContainer" -}}
 {{- $ctx := .ctx -}}
 - name: {{ .name }}
@@ -176,6 +177,7 @@ app.kubernetes.io/part-of: fedpipe
   env:
     - name: KF_PIPELINES_SA_TOKEN_PATH
       value: /var/run/secrets/kubeflow/pipelines/token
+    {{- if not .kfpOnly }}
     # What the compiled pipeline's tasks get besides the flags: the storage endpoint and the name and keys
     # of the credentials Secret (never the credentials).
     - name: FEDPIPE_S3_ENDPOINT
@@ -184,6 +186,7 @@ app.kubernetes.io/part-of: fedpipe
       value: {{ include "fedpipe.storageSecretName" $ctx | quote }}
     - name: FEDPIPE_S3_SECRET_KEYS
       value: {{ printf "%s,%s" $ctx.Values.storage.accessKeyKey $ctx.Values.storage.secretKeyKey | quote }}
+    {{- end }}
     # The kfp client writes its context under ~/.config, and the root filesystem is read-only.
     - name: HOME
       value: /tmp
@@ -191,9 +194,11 @@ app.kubernetes.io/part-of: fedpipe
     - name: kfp-token
       mountPath: /var/run/secrets/kubeflow/pipelines
       readOnly: true
+    {{- if not .kfpOnly }}
     - name: run-config
       mountPath: /etc/fedpipe
       readOnly: true
+    {{- end }}
     - name: tmp
       mountPath: /tmp
   securityContext:
@@ -254,8 +259,54 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 {{- end }}
 
-{{/* Labels of a PyTorchJob's pods (fedpipe.pipelines.pytorchjob.labels): the distributed-phase NetworkPolicy selects them. */}}
+{{/* Labels of a PyTorchJob's or TrainJob's pods (fedpipe.k8s.phasejob.labels; a TrainJob puts them on its pods
+through podTemplateOverrides): the distributed-phase NetworkPolicy selects them. */}}
 {{- define "fedpipe.distributedPhaseLabels" -}}
 app.kubernetes.io/part-of: fedpipe
 app.kubernetes.io/component: distributed-phase
+{{- end }}
+
+{{/* The API a distributed phase runs on: pytorchJob.api, where auto is trainjob when the cluster serves Kubeflow
+Trainer v2's TrainJob (Kubeflow 1.11+; `helm template --api-versions trainer.kubeflow.org/v1alpha1/TrainJob`), else
+pytorchjob (the Training Operator's PyTorchJob). */}}
+{{- define "fedpipe.jobApi" -}}
+{{- $api := .Values.pytorchJob.api | default "auto" -}}
+{{- /* Where both are served (Kubeflow 1.11, 26.03) the PyTorchJob stays: its pods carry fedpipe's
+     security context, which a TrainJob cannot set (trainer v2.1.0 trainjob_types.go; only its runtime can). */ -}}
+{{- if ne $api "auto" -}}
+{{- $api -}}
+{{- else if and (.Capabilities.APIVersions.Has "trainer.kubeflow.org/v1alpha1/TrainJob") (not (.Capabilities.APIVersions.Has "kubeflow.org/v1/PyTorchJob")) -}}
+trainjob
+{{- else -}}
+pytorchjob
+{{- end -}}
+{{- end }}
+
+{{/* `fedpipe unschedule` of the recurring run `fedpipe schedule` makes (`<pipeline name>-schedule` in
+     schedule.experiment), as a YAML list: the uninstall hook's and, without schedule.cron, the registration
+     Job's first step, so that no recurring run outlives the release or its cron. */}}
+{{- define "fedpipe.unscheduleArgs" -}}
+{{- $args := list "unschedule" (printf "--host=%s" .Values.kubeflow.host) (printf "--name=%s" (include "fedpipe.pipelineName" .)) (printf "--namespace=%s" (include "fedpipe.kfpNamespace" .)) }}
+{{- with .Values.schedule.experiment }}
+{{- $args = append $args (printf "--experiment=%s" .) }}
+{{- end }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/* The projected token the KFP API server accepts (audience pipelines.kubeflow.org), as a pod volume. */}}
+{{- define "fedpipe.kfpTokenVolume" -}}
+- name: kfp-token
+  projected:
+    sources:
+      - serviceAccountToken:
+          path: token
+          audience: {{ .Values.kubeflow.tokenAudience }}
+          expirationSeconds: {{ .Values.kubeflow.tokenExpirationSeconds }}
+{{- end }}
+
+{{/* Labels of a `helm test` pod that stands in for a fedpipe task pod: the chart's (with the pipeline's
+     app.kubernetes.io/part-of: fedpipe, builder.POD_LABEL) and KFP's own, so that the training NetworkPolicy
+     selects it as it selects the tasks; call with (dict "ctx" $ "component" "name"). */}}
+{{- define "fedpipe.taskPodLabels" -}}
+{{- toYaml (merge (dict "pipelines.kubeflow.org/v2_component" "true") (include "fedpipe.labels" . | fromYaml)) }}
 {{- end }}

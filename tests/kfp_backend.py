@@ -1,0 +1,300 @@
+"""A conformance model of the Kubeflow Pipelines v2 backend's parameter path, for tests only.
+
+The local runner fills a task's inputs in Python and never shows what a cluster's backend does with a
+compiled pipeline. This model re-implements, version by version, the three steps a task's parameters go
+through on a cluster, each rule from the Go (or Python) source it cites (kubeflow/pipelines at the tag):
+
+1. **driver** (backend/src/v2/driver/driver.go at 2.5.0, ``resolveInputs`` / ``resolveInputParameter``;
+   the same rules moved to resolve.go by 2.14.0): every input of the *task* (not only the component's
+   declared ones) is resolved: ``componentInputParameter`` from the parent DAG, ``taskOutputParameter``
+   from the producer, ``runtimeValue.constant`` as it is, except a string that is exactly one of the
+   job placeholders (``{{$.pipeline_job_uuid}}``, ...). A constant struct or list is *not* searched for
+   placeholders. Then ``handleParamTypeValidationAndConversion``: a STRING input given another kind is
+   turned into text (metadata/converter.go ``PbValueToText``), any other declared type given another
+   kind is an error. Pod resources and the accelerator come from the executor input's *string* value
+   of the parameter the field names (``resolvePodSpecInputRuntimeParameter``, ``getPodResource``).
+2. **launcher** (backend/src/v2/component/launcher_v2.go, ``executeV2``): defaults are added
+   (``addDefaultParams``), then the placeholders of ``getPlaceholders`` are replaced in the command and
+   each argument. Up to 2.13 ``{{$}}`` (the executor input as JSON) is one entry of that Go map, and
+   Go's map iteration order is random: a placeholder visited before ``{{$}}`` is not replaced inside
+   the JSON that ``{{$}}`` later brings in. From 2.14.0 (kubeflow/pipelines#11925, commit 3337b5e,
+   ``compileCmdAndArgs``) ``{{$}}`` is replaced first, then the others, inside the JSON text too.
+   Values are raw text: strings as they are, numbers as ``strconv.FormatFloat(v, 'f', -1, 64)``, bools
+   as ``true``/``false``, lists and structs as JSON.
+3. **kfp executor** (sdk python/kfp/dsl/executor.py, ``Executor.execute``, in the task's container):
+   parses ``--executor_input`` as JSON and hands the function each parameter its signature names from
+   ``inputs.parameterValues``.
+
+It is a model, not KFP: no Argo, no MLMD, no artifacts' bytes. It answers one question per task: what
+does the component's function receive, and what does the driver put in the pod's resources.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shlex
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Backend versions whose launcher differs: up to 2.13.x one random-order pass, from 2.14.0 {{$}} first.
+RANDOM_ORDER = "2.5.0"
+EXECUTOR_INPUT_FIRST = "2.14.0"
+
+JOB_PLACEHOLDERS = {  # driver: resolveInputParameter, RuntimeValue constants replaced whole
+    "{{$.pipeline_job_name}}": "fedpipe-run-display-name",
+    "{{$.pipeline_job_resource_name}}": "fedpipe-run-abc12",
+    "{{$.pipeline_job_uuid}}": "0b5e7d1e-6b8f-4c9f-9d3e-5f2a1c0d4e6f",
+    "{{$.pipeline_task_name}}": "task-name",
+    "{{$.pipeline_task_uuid}}": "4242",
+}
+PARAMETER_KINDS = {  # pipeline spec parameterType -> the Python types a protobuf Value of that kind parses to
+    "STRING": (str,), "NUMBER_INTEGER": (int, float), "NUMBER_DOUBLE": (int, float), "BOOLEAN": (bool,),
+    "LIST": (list,), "STRUCT": (dict,),
+}
+
+
+class BackendError(Exception):
+    """What the driver or launcher would fail the task with."""
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "BOOLEAN"
+    if isinstance(value, (int, float)):
+        return "NUMBER"
+    return {str: "STRING", list: "LIST", dict: "STRUCT", type(None): "NULL"}[type(value)]
+
+
+def value_text(value) -> str:
+    """metadata/converter.go PbValueToText and launcher_v2.go getPlaceholders: a Value as raw text."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return np.format_float_positional(float(value), trim="-")  # FormatFloat(v, 'f', -1, 64)
+    return json.dumps(value, separators=(",", ":"))
+
+
+@dataclass
+class TaskRun:
+    """What one task received under one backend version."""
+
+    name: str
+    parameters: dict  # what the component's function is called with (its declared input parameters)
+    resources: dict = field(default_factory=dict)  # pod resources the driver resolved (cpu_limit, accelerator_count, ...)
+    outputs: dict = field(default_factory=dict)  # its output parameters (made-up values downstream tasks receive)
+
+
+def _resolve_task_inputs(task: dict, component: dict, dag_inputs: dict, produced: dict, name: str) -> dict:
+    """driver.go resolveInputs: every task input, then the declared ones type-checked and converted."""
+    values = {}
+    for key, spec in task.get("inputs", {}).get("parameters", {}).items():
+        if "componentInputParameter" in spec:
+            source = spec["componentInputParameter"]
+            if source not in dag_inputs:
+                raise BackendError(f"{name}: parent DAG does not have input parameter {source}")
+            values[key] = dag_inputs[source]
+        elif "taskOutputParameter" in spec:
+            out = spec["taskOutputParameter"]
+            values[key] = produced[out["producerTask"]][out["outputParameterKey"]]
+        elif "runtimeValue" in spec:
+            constant = spec["runtimeValue"]["constant"]
+            values[key] = JOB_PLACEHOLDERS.get(constant, constant) if isinstance(constant, str) else constant
+        else:
+            raise BackendError(f"{name}: input {key} has a kind the model does not know: {sorted(spec)}")
+    declared = component.get("inputDefinitions", {}).get("parameters", {})
+    for key, spec in declared.items():
+        if key not in values:
+            if "defaultValue" not in spec and not spec.get("isOptional"):
+                raise BackendError(f"{name}: neither value nor default value provided for non-optional parameter {key!r}")
+            continue
+        wanted, value = spec["parameterType"], values[key]
+        if wanted == "STRING" and not isinstance(value, str):
+            values[key] = value_text(value)
+        elif wanted != "STRING" and not isinstance(value, PARAMETER_KINDS[wanted]) or (
+                wanted.startswith("NUMBER") and isinstance(value, bool)):
+            raise BackendError(f"{name}: input parameter {key!r} type mismatch: expect {wanted}, got {_kind(value)}")
+    return values
+
+
+def _executor_input(values: dict, component: dict) -> dict:
+    """launcher_v2.go addDefaultParams: the declared defaults of inputs that were not given."""
+    with_defaults = dict(values)
+    for key, spec in component.get("inputDefinitions", {}).get("parameters", {}).items():
+        if key not in with_defaults and "defaultValue" in spec:
+            with_defaults[key] = spec["defaultValue"]
+    outputs = {k: {"outputFile": f"/tmp/outputs/{k}"} for k in component.get("outputDefinitions", {}).get("parameters", {})}
+    return {"inputs": {"parameterValues": with_defaults}, "outputs": {"parameters": outputs, "outputFile": "/tmp/kfp_outputs/output_metadata.json"}}
+
+
+def _placeholders(executor_input: dict) -> dict[str, str]:
+    """launcher_v2.go getPlaceholders (parameters; artifacts' URIs and paths play no part in this model)."""
+    table = {"{{$}}": json.dumps(executor_input, separators=(",", ":"))}
+    for key, value in executor_input["inputs"]["parameterValues"].items():
+        table[f"{{{{$.inputs.parameters['{key}']}}}}"] = value_text(value)
+    for key, spec in executor_input["outputs"]["parameters"].items():
+        table[f"{{{{$.outputs.parameters['{key}'].output_file}}}}"] = spec["outputFile"]
+    return table
+
+
+def substitute(args: list[str], executor_input: dict, version: str, rng: random.Random) -> list[str]:
+    """The launcher's substitution of the container's arguments, as `version` does it."""
+    table = _placeholders(executor_input)
+    out = []
+    for arg in args:
+        if version == RANDOM_ORDER:  # one `range` over the Go map per argument, each in its own random order
+            order = list(table.items())
+            rng.shuffle(order)
+        else:  # compileCmdAndArgs: {{$}} first, then the rest (in any order: none contains another)
+            order = [("{{$}}", table["{{$}}"])] + [(k, v) for k, v in table.items() if k != "{{$}}"]
+        for placeholder, replacement in order:
+            arg = arg.replace(placeholder, replacement)
+        out.append(arg)
+    return out
+
+
+def _received(args: list[str], component: dict, name: str) -> dict:
+    """kfp/dsl/executor.py: the function's parameters from the --executor_input JSON."""
+    if "--executor_input" not in args:
+        raise BackendError(f"{name}: not a lightweight Python component (no --executor_input): {shlex.join(args)[:200]}")
+    text = args[args.index("--executor_input") + 1]
+    try:
+        executor_input = json.loads(text)
+    except ValueError as e:
+        raise BackendError(f"{name}: the executor input is not JSON after substitution ({e}): a raw value broke it") from None
+    values = executor_input["inputs"]["parameterValues"]
+    return {k: values.get(k) for k in component.get("inputDefinitions", {}).get("parameters", {})}
+
+
+CHANNEL = re.compile(r"\$.inputs.parameters\['(.+?)'\]")  # util.go inputPipelineChannelPattern, unanchored
+RESOURCE_FIELDS = ("resourceCpuLimit", "resourceCpuRequest", "resourceMemoryLimit", "resourceMemoryRequest")
+
+
+def _pod_resources(container: dict, executor_input: dict) -> dict:
+    """driver.go initPodSpecPatch / getPodResource / resolvePodSpecInputRuntimeParameter: a field that is
+    `{{$.inputs.parameters['pipelinechannel--x']}}` takes the *string* value of that input."""
+    values = executor_input["inputs"]["parameterValues"]
+
+    def resolve(text: str) -> str:
+        match = CHANNEL.search(text)  # util.go isInputParameterChannel / extractInputParameterFromChannel
+        if match is None:
+            return text
+        if match.group(1) not in values:
+            raise BackendError(f"executorInput did not contain the parameter of {text}")
+        value = values[match.group(1)]
+        return value if isinstance(value, str) else ""  # Value.GetStringValue(): "" for a number
+
+    resources = container.get("resources", {})
+    out = {f: resolve(resources[f]) for f in RESOURCE_FIELDS if f in resources}
+    accelerator = resources.get("accelerator", {})
+    if "resourceType" in accelerator:
+        out["acceleratorType"] = resolve(accelerator["resourceType"])
+    if "resourceCount" in accelerator:
+        out["acceleratorCount"] = resolve(accelerator["resourceCount"])
+    return out
+
+
+def _topological(tasks: dict) -> list[str]:
+    order, seen = [], set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        task = tasks[name]
+        needs = set(task.get("dependentTasks", []))
+        for kind in ("parameters", "artifacts"):
+            for spec in task.get("inputs", {}).get(kind, {}).values():
+                for key in ("taskOutputParameter", "taskOutputArtifact"):
+                    if key in spec:
+                        needs.add(spec[key]["producerTask"])
+        for other in sorted(needs):
+            visit(other)
+        order.append(name)
+
+    for name in sorted(tasks):
+        visit(name)
+    return order
+
+
+def run_pipeline(spec: dict, arguments: dict, version: str, rng: random.Random) -> dict[str, TaskRun]:
+    """Every container task of the pipeline's root DAG, in dependency order, under `version`."""
+    root = spec["root"]
+    inputs = {k: v.get("defaultValue") for k, v in root.get("inputDefinitions", {}).get("parameters", {}).items()}
+    inputs.update(arguments)
+    executors = spec["deploymentSpec"]["executors"]
+    produced: dict[str, dict] = {}
+    runs = {}
+    tasks = root["dag"]["tasks"]
+    for name in _topological(tasks):
+        task = tasks[name]
+        component = spec["components"][task["componentRef"]["name"]]
+        if "dag" in component:
+            raise BackendError(f"{name}: nested DAGs are not in this model; extend it before shipping one")
+        container = executors[component["executorLabel"]]["container"]
+        values = _resolve_task_inputs(task, component, inputs, produced, name)
+        executor_input = _executor_input(values, component)
+        args = substitute(list(container.get("command", [])) + list(container.get("args", [])), executor_input, version, rng)
+        outputs = {k: f"<{name}.{k}>" for k in component.get("outputDefinitions", {}).get("parameters", {})}
+        produced[name] = outputs
+        runs[name] = TaskRun(name, _received(args, component, name), _pod_resources(container, executor_input), outputs)
+    return runs
+
+
+def unresolved(value, path: str = "") -> list[str]:
+    """Where a received value still holds placeholder text."""
+    if isinstance(value, str):
+        return [f"{path or 'value'}: {value[:120]!r}"] if "{{$" in value else []
+    if isinstance(value, dict):
+        return [hit for k, v in value.items() for hit in unresolved(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list):
+        return [hit for i, v in enumerate(value) for hit in unresolved(v, f"{path}[{i}]")]
+    return []
+
+
+# --- the platform spec: what each version's protos know ------------------------------------------------
+# kubernetes_platform/proto/kubernetes_executor_config.proto at each tag (the backend builds against the
+# tag's own copy: go.mod `replace .../kubernetes_platform => ./kubernetes_platform`), as JSON names, for
+# KubernetesExecutorConfig and the messages fedpipe's pipelines use. 2.15.0 added SecretAsEnv.optional
+# (kubeflow/pipelines#12216), 2.16.0 security_context (field 18).
+_CONFIG_2_5 = {"secretAsVolume", "secretAsEnv", "pvcMount", "nodeSelector", "podMetadata", "imagePullSecret", "imagePullPolicy",
+               "configMapAsVolume", "configMapAsEnv", "activeDeadlineSeconds", "fieldPathAsEnv", "tolerations",
+               "genericEphemeralVolume", "nodeAffinity", "podAffinity", "enabledSharedMemory", "emptyDirMounts"}
+_MESSAGES_2_5 = {
+    "secretAsEnv": {"secretName", "keyToEnv", "secretNameParameter"},
+    "secretAsEnv.keyToEnv": {"secretKey", "envVar"},
+    "podMetadata": {"labels", "annotations"},
+    "nodeSelector": {"labels", "nodeSelectorJson"},
+    "tolerations": {"key", "operator", "value", "effect", "tolerationSeconds", "tolerationJson"},
+    "fieldPathAsEnv": {"name", "fieldPath"},
+}
+KNOWN_FIELDS = {
+    "2.5.0": (_CONFIG_2_5, _MESSAGES_2_5),
+    "2.14.0": (_CONFIG_2_5, _MESSAGES_2_5),
+    "2.15.0": (_CONFIG_2_5, {**_MESSAGES_2_5, "secretAsEnv": _MESSAGES_2_5["secretAsEnv"] | {"optional"}}),
+    "2.16.0": (_CONFIG_2_5 | {"securityContext"}, {**_MESSAGES_2_5, "secretAsEnv": _MESSAGES_2_5["secretAsEnv"] | {"optional"},
+                                                   "securityContext": {"runAsUser", "runAsGroup", "runAsNonRoot"}}),
+}
+
+
+def unknown_platform_fields(config: dict, version: str) -> list[str]:
+    """Fields of one task's Kubernetes config that `version`'s protos do not know. Its API server parses
+    the config strictly when it compiles a run (backend/src/v2/compiler/argocompiler/container.go): from
+    2.14.0 `protojson.Unmarshal`, an unknown field refuses the run; at 2.5.0 `jsonpb.UnmarshalString`,
+    whose error is ignored, so the pod silently loses its labels and annotations (`extendPodMetadata`)."""
+    top, messages = KNOWN_FIELDS[version]
+    problems = [name for name in config if name not in top]
+    for path, fields in messages.items():
+        head, _, sub = path.partition(".")
+        items = config.get(head)
+        items = items if isinstance(items, list) else [items] if isinstance(items, dict) else []
+        if sub:
+            items = [x for item in items for x in item.get(sub, [])]
+        problems += [f"{path}.{key}" for item in items for key in item if key not in fields]
+    return problems

@@ -1,0 +1,198 @@
+"""Every shipped pipeline, run through a model of the KFP backends users have (tests/kfp_backend.py):
+the 2.5.0 launcher (Kubeflow 1.10.1 / 1.10.2: placeholders substituted in a random order) under many
+orders and the 2.14+ one (Kubeflow 1.11, 26.03: `{{$}}` first). Every task must receive fully resolved
+and identical inputs under both, and the driver must find every pod resource it reads."""
+
+import random
+
+import pytest
+import yaml
+from kfp import compiler, dsl
+from kfp_backend import (
+    EXECUTOR_INPUT_FIRST,
+    KNOWN_FIELDS,
+    RANDOM_ORDER,
+    BackendError,
+    run_pipeline,
+    unknown_platform_fields,
+    unresolved,
+)
+
+from fedpipe.pipelines.builder import _QUANTITY, RESOURCE_PARAMETERS, SHIPPED, TASK_USER, DeployOptions
+
+PIPELINES = sorted(p.name for p in SHIPPED.glob("*.yaml"))
+ORDERS = 40  # random launcher orders per pipeline under 2.5.0; the old config task failed in ~97% of them
+
+
+def _load(path):
+    spec, *platform = yaml.safe_load_all(path.read_text())
+    return spec, platform[0] if platform else {}
+
+
+def _changed_arguments(spec: dict) -> dict:
+    """A value other than its default for every pipeline parameter: proves each one is wired through."""
+    out = {}
+    for name, p in spec["root"]["inputDefinitions"]["parameters"].items():
+        default, kind = p.get("defaultValue"), p["parameterType"]
+        if name in RESOURCE_PARAMETERS:
+            out[name] = {"accelerator_type": "amd.com/gpu", "accelerator_count": "2"}.get(name, "3" if "cpu" in name else "5Gi")
+        elif kind == "STRING":
+            out[name] = f"{default}-changed"
+        elif kind == "BOOLEAN":
+            out[name] = not default
+        elif kind == "NUMBER_INTEGER":
+            out[name] = int(default) + 3
+        elif kind == "NUMBER_DOUBLE":
+            out[name] = float(default) + 0.25
+        elif kind == "LIST":
+            out[name] = [*default, "train.rounds=7"]
+        elif kind == "STRUCT":
+            out[name] = {"kubernetes.io/arch": "amd64"}
+    return out
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_task_receives_resolved_identical_inputs_on_every_backend(name):
+    spec, _ = _load(SHIPPED / name)
+    arguments = _changed_arguments(spec)
+    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
+    for task in reference.values():
+        assert not unresolved(task.parameters), f"{name}: {task.name} receives placeholders under 2.14+: {unresolved(task.parameters)}"
+    rng = random.Random(20)
+    for _ in range(ORDERS):
+        runs = run_pipeline(spec, arguments, RANDOM_ORDER, rng)
+        for task_name, task in runs.items():
+            left = unresolved(task.parameters)
+            assert not left, f"{name}: under KFP 2.5.0 task {task_name} receives literal placeholders: {left[:3]}"
+            assert task.parameters == reference[task_name].parameters, f"{name}: {task_name} receives other inputs under 2.5.0 than 2.14+"
+            assert task.resources == reference[task_name].resources
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_each_pipeline_parameter_reaches_its_task_and_every_pod_resource_resolves(name):
+    spec, _ = _load(SHIPPED / name)
+    arguments = _changed_arguments(spec)
+    runs = run_pipeline(spec, arguments, RANDOM_ORDER, random.Random(1))
+    configs = [t for t in runs.values() if t.name.startswith("resolve-config")]
+    assert configs
+    for task in configs:  # every config field the UI shows arrives under its own name, changed
+        fields = task.parameters["defaults"]
+        assert fields and all(task.parameters[dotted.replace(".", "_")] == arguments[dotted.replace(".", "_")] for dotted in fields)
+        assert task.parameters["base_config"] == arguments["base_config"]
+        assert task.parameters["overrides"] == arguments["overrides"]
+    for task in runs.values():
+        for field, value in task.resources.items():
+            assert value and (field == "acceleratorType" or _QUANTITY.match(value)), f"{name}: {task.name} {field}={value!r}"
+        if "acceleratorCount" in task.resources:
+            assert task.resources["acceleratorCount"] == "2" and task.resources["acceleratorType"] == "amd.com/gpu"
+            # the task is told what it asked for, so that a GPU it cannot use stops it (fedpipe.engine.devices)
+            assert task.parameters["requested_accelerators"] == "2"
+    compare = [t for t in runs.values() if t.name == "compare"]
+    if name == "benchmark.yaml":  # the comparison gets each method's run id from that method's evaluate task
+        (compare,) = compare
+        evaluates = {t.name: t.outputs["Output"] for t in runs.values() if t.name.startswith("evaluate")}
+        assert sorted(compare.parameters[k] for k in compare.parameters if k.startswith("run_id_")) == sorted(evaluates.values())
+
+
+def _dict_of_channels_pipeline(tmp_path):
+    """The shape the config task had before: pipeline parameters inside a dict constant."""
+
+    @dsl.component(base_image="python:3.11", install_kfp_package=False)
+    def take(fields: dict, single: int) -> str:
+        return str(fields) + str(single)
+
+    @dsl.pipeline(name="nested")
+    def nested(train_rounds: int = 30, data_dataset: str = "mnist5k", seed: int = 0):
+        take(fields={"train.rounds": train_rounds, "data.dataset": data_dataset, "run.seed": seed}, single=train_rounds)
+
+    path = tmp_path / "nested.yaml"
+    compiler.Compiler().compile(nested, str(path))
+    return _load(path)[0]
+
+
+def test_the_model_reproduces_the_pre_2_14_launcher_bug(tmp_path):
+    """Pins the model against kubeflow/pipelines#11925 (launcher_v2_test.go, Test_compileCmdAndArgs): a dict
+    of pipeline parameters resolves under 2.14+ (numbers as FormatFloat text) and stays literal in some
+    random orders under 2.5.0; a top-level parameter resolves under both."""
+    spec = _dict_of_channels_pipeline(tmp_path)
+    fixed = run_pipeline(spec, {}, EXECUTOR_INPUT_FIRST, random.Random(0))["take"].parameters
+    assert fixed == {"fields": {"train.rounds": "30", "data.dataset": "mnist5k", "run.seed": "0"}, "single": 30}
+    rng = random.Random(0)
+    outcomes = [run_pipeline(spec, {}, RANDOM_ORDER, rng)["take"].parameters for _ in range(40)]
+    broken = [o for o in outcomes if unresolved(o)]
+    assert broken and len(broken) < len(outcomes)  # at random: some orders work, some do not
+    assert all(o["single"] == 30 for o in outcomes)
+    assert "{{$.inputs.parameters['pipelinechannel--" in str(broken[0]["fields"])
+
+
+def test_the_driver_refuses_a_parameter_of_the_wrong_kind(tmp_path):
+    """driver.go handleParamTypeValidationAndConversion: a number input given a string fails the task,
+    a string input given a number gets its text."""
+    spec = _dict_of_channels_pipeline(tmp_path)
+    with pytest.raises(BackendError, match="type mismatch: expect NUMBER_INTEGER, got STRING"):
+        run_pipeline(spec, {"train_rounds": "30"}, EXECUTOR_INPUT_FIRST, random.Random(0))
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_backend_accepts_every_tasks_kubernetes_config_and_the_secret_is_fixed_at_compile_time(name):
+    """The shipped pipelines are compiled for the floor (2.5.0): every API server from 2.5.0 to 2.16
+    parses each task's Kubernetes config without an unknown field (which 2.14+ would refuse and 2.5.0
+    answer by dropping the pod's labels, the NetworkPolicy's selector)."""
+    spec, platform = _load(SHIPPED / name)
+    assert "s3_secret" not in spec["root"]["inputDefinitions"]["parameters"]  # a UI user cannot point it at another Secret
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(executors) == set(spec["deploymentSpec"]["executors"])  # every task has its platform config
+    for label, config in executors.items():
+        for version in KNOWN_FIELDS:
+            assert not unknown_platform_fields(config, version), f"{name} {label}: KFP {version} does not know {unknown_platform_fields(config, version)}"
+        assert config["podMetadata"]["labels"]["app.kubernetes.io/part-of"] == "fedpipe"
+        for secret in config["secretAsEnv"]:
+            assert secret["secretNameParameter"] == {"runtimeValue": {"constant": DeployOptions().s3_secret}}, label
+
+
+def test_a_pipeline_for_kfp_2_16_runs_every_task_as_the_images_user(tmp_path):
+    """From 2.16.0 the driver applies a task's securityContext (backend/src/v2/driver/k8s.go,
+    GetSecurityContext); the 2.5.0 driver has no such field, so the floor's pipeline leaves it out and
+    the image's USER is what keeps a task off root there."""
+    from fedpipe.pipelines.builder import compile_pipeline, method_pipeline
+    from fedpipe.run.config import load_config
+
+    cfg = load_config(None, ["method.name=fedavg"])
+    path = compile_pipeline(method_pipeline(cfg, DeployOptions(kfp_version="2.16.0")), tmp_path / "p.yaml")
+    executors = _load(path)[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for label, config in executors.items():
+        context = config["securityContext"]  # int64 fields are strings in the proto's JSON
+        assert (int(context["runAsUser"]), int(context["runAsGroup"]), context["runAsNonRoot"]) == (TASK_USER, TASK_USER, True), label
+        assert not unknown_platform_fields(config, "2.16.0")
+        assert unknown_platform_fields(config, "2.15.0") == ["securityContext"]  # why it is not the default
+
+
+@pytest.mark.parametrize("version", ["2.4.1", "latest", ""])
+def test_a_pipeline_cannot_be_compiled_for_a_backend_below_the_floor(version):
+    from fedpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--kfp-version"):
+        DeployOptions(kfp_version=version)
+
+
+@pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
+def test_a_pipeline_with_a_distributed_phase_resolves_on_every_backend(tmp_path, api):
+    """`fedpipe register --distributed-phase` (the chart's pytorchJob.phase) compiles a launcher task in
+    place of the phase's task: its inputs (the job's settings, storage, the pods' resources) must resolve
+    the same way under both launchers."""
+    from fedpipe.k8s.phasejob import PhaseJob
+    from fedpipe.pipelines.builder import compile_pipeline, method_pipeline
+    from fedpipe.run.config import load_config
+
+    options = DeployOptions(distributed=(PhaseJob("personalization", nodes=2, api=api),), pushgateway="http://pgw:9091")
+    path = compile_pipeline(method_pipeline(load_config(None, ["method.name=superfed_mm"]), options), tmp_path / "p.yaml")
+    spec, _ = _load(path)
+    arguments = _changed_arguments(spec)
+    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
+    launcher = next(t for t in reference.values() if t.name == "launch-phase-job")
+    assert launcher.parameters["cpu_limit"] == arguments["cpu_limit"] and launcher.parameters["job"]["api"] == api
+    assert launcher.parameters["s3_secret"] == options.s3_secret
+    rng = random.Random(3)
+    for _ in range(ORDERS):
+        for name, task in run_pipeline(spec, arguments, RANDOM_ORDER, rng).items():
+            assert not unresolved(task.parameters) and task.parameters == reference[name].parameters, name
