@@ -53,6 +53,18 @@ def test_the_image_comes_from_the_registry_with_the_project_version(image):
     assert labels["org.opencontainers.image.version"] == VERSION
 
 
+def test_the_built_image_asks_for_no_gpu_and_runs_as_the_pipelines_task_user(image):
+    """The NVIDIA runtime gives a container whatever NVIDIA_VISIBLE_DEVICES names: `all` baked into the
+    image would hand a CPU task every GPU of its node. And the user is the one the pipeline's tasks claim."""
+    from fedpipe.pipelines.builder import TASK_USER
+
+    config = json.loads(subprocess.run([podman(), "image", "inspect", "--format", "{{json .Config}}", image],
+                                       capture_output=True, text=True, check=True).stdout)
+    env = dict(item.split("=", 1) for item in config["Env"])
+    assert env.get("NVIDIA_VISIBLE_DEVICES") == "void", env
+    assert config["User"].split(":")[0] == str(TASK_USER)
+
+
 def test_non_root_user_workdir_and_a_writable_tmp_only(image):
     out = run(
         image,
