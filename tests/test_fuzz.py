@@ -217,6 +217,19 @@ def test_any_damaged_manifest_gives_a_partition_or_a_fedpipe_error(manifest_run,
         assert any(n in message for n in named) or "manifest has" in message or "index" in message or "clients" in message, (path, message)
 
 
+
+@pytest.mark.parametrize("where", [("clients", 0, "indices", "train", 0), ("seed",), ("clients", 1, "sizes", "test")])
+def test_a_number_beyond_int64_in_a_manifest_is_a_named_error_not_an_overflow(manifest_run, where):
+    """Found by the fuzz test above in CI: an index of 2**64 reached numpy (OverflowError, a traceback)."""
+    run, manifest = manifest_run
+    tree = json.loads(json.dumps(manifest))
+    parent = tree
+    for part in where[:-1]:
+        parent = parent[part]
+    parent[where[-1]] = 2**64
+    message = _load(run, json.dumps(tree).encode())
+    assert message and "is not a valid partition manifest" in message and str(where[-1]) in message, message
+
 # --- whole classes of hostile input, not only values: bytes, sizes, aliases, nesting ---------------------
 
 QUICK = 2.0  # seconds: each is refused (or read) in well under one; the margin is for a loaded test machine

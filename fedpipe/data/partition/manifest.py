@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fedpipe.data import DatasetBundle
 from fedpipe.data.partition._common import _round_half_up
 from fedpipe.data.partition.feature_shift import FeatureShift
 from fedpipe.data.partition.schemes import PartitionConfig
 from fedpipe.errors import DataError
+
+# A count, index or seed of a manifest: what numpy's int64 holds (a larger one written into a damaged or
+# hostile manifest would raise OverflowError in the checks, not a validation error naming its field).
+_Count = Annotated[int, Field(ge=0, lt=2**63)]
 
 MANIFEST_FORMAT = "fedpipe.partition"
 MANIFEST_VERSION = 1
@@ -185,24 +189,24 @@ class _ManifestPart(BaseModel):
 
 
 class _SplitSizes(_ManifestPart):
-    train: NonNegativeInt
-    val: NonNegativeInt
-    test: NonNegativeInt
+    train: _Count
+    val: _Count
+    test: _Count
 
 
 class _SplitIndices(_ManifestPart):
-    train: list[NonNegativeInt]
-    val: list[NonNegativeInt]
-    test: list[NonNegativeInt]
+    train: list[_Count]
+    val: list[_Count]
+    test: list[_Count]
 
 
 class _ClientManifest(_ManifestPart):
-    id: NonNegativeInt
+    id: _Count
     opt_out: bool
     transform: FeatureShift | None = None
     sizes: _SplitSizes
     indices: _SplitIndices
-    label_counts: list[NonNegativeInt]
+    label_counts: list[_Count]
 
     @model_validator(mode="after")
     def _sizes_agree(self) -> _ClientManifest:
@@ -220,8 +224,8 @@ class _ClientManifest(_ManifestPart):
 
 class _GlobalTestManifest(_ManifestPart):
     source: Literal["official", "holdout"]
-    size: NonNegativeInt | None
-    indices: list[NonNegativeInt] | None
+    size: _Count | None
+    indices: list[_Count] | None
 
     @model_validator(mode="after")
     def _consistent(self) -> _GlobalTestManifest:
@@ -241,7 +245,7 @@ class _Manifest(_ManifestPart):
     format_version: Literal[1]
     dataset: str = Field(min_length=1)
     fingerprint: str = Field(min_length=1)
-    seed: NonNegativeInt
+    seed: _Count
     num_classes: int = Field(ge=1)
     pool_size: int = Field(ge=1)
     scheme: PartitionConfig  # a config section: validated by its own (lax) rules
