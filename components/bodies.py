@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import yaml
@@ -25,7 +26,7 @@ from fedpipe.run.config import RunConfig, load_config
 from fedpipe.run.layout import RunLayout
 from fedpipe.run.report import render_html, summary_lines
 from fedpipe.run.run import Run
-from fedpipe.safe_load import parse_json, parse_yaml, read_file
+from fedpipe.safe_load import parse_json, parse_yaml, read_file, read_store_json
 from fedpipe.store.base import sha256_hex
 from fedpipe.telemetry.progress import log_to_stderr
 
@@ -102,6 +103,7 @@ def _bring_in(run: Run, key: str, in_path: str) -> None:
         )
 
 
+SUMMARY_LIMIT = 2**20  # a run's summary.json is a few kB
 POINTER_FORMAT = "fedpipe.state-pointer/v1"
 POINTER_LIMIT = 16 * 1024  # a pointer is a few hundred bytes; anything larger is not one
 
@@ -164,7 +166,13 @@ def pointer_metadata(path: str) -> dict:
 
 def _prepare(config_path: str, manifest_path: str | None = None) -> Run:
     log_to_stderr()
-    run = Run(load_config(config_path))
+    cfg = load_config(config_path)
+    # The run's single writer (run/record.py) is this pipeline job: a task retried in a new pod, or the next
+    # task, is the same owner. KFP gives a task no job id in its env (only KFP_POD_NAME / KFP_POD_UID:
+    # backend/src/v2/compiler/argocompiler/common.go), but the config task puts it into the run id
+    # (`<config id>-<job id>`); with a run.id pinned by hand, jobs of that id share the owner.
+    os.environ.setdefault("FEDPIPE_OWNER", f"kfp-pipeline-run:{cfg.run_id()}")
+    run = Run(cfg)
     if manifest_path is not None:
         run.check_record(create=True)
         _bring_in(run, run.layout.partition_manifest, manifest_path)
@@ -265,7 +273,8 @@ def compare(config_path: str, run_ids: list[str], markdown_path: str, json_path:
     from fedpipe.run.report import comparison_table
 
     run = _prepare(config_path)
-    rows = [json.loads(run.store.get_text(RunLayout(run_id).report("summary.json"))) for run_id in run_ids]
+    rows = [read_store_json(run.store, RunLayout(run_id).report("summary.json"), "run summary", SUMMARY_LIMIT, CorruptArtifactError,
+                            "Run `fedpipe evaluate` on that run again.") for run_id in run_ids]
     table = comparison_table(rows)
     Path(markdown_path).write_text(table + "\n")
     Path(json_path).write_text(json.dumps(rows, indent=2))

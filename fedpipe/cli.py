@@ -65,7 +65,8 @@ def _print_summary(summary: dict) -> None:
 @app.command()
 @_guarded
 def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
-        fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run's earlier artifacts and start over.")] = False,
+        fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run's earlier artifacts (only what fedpipe wrote) and start over.")] = False,
+        take_over: Annotated[bool, typer.Option("--take-over", help="Take the run over from a writer whose heartbeat is older than FEDPIPE_OWNER_STALE_SECONDS (a dead one).")] = False,
         pipeline_root: Annotated[Optional[Path], typer.Option(help="Folder for the pipeline's task artifacts (default: <store>/_kfp).")] = None,
         verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every line the pipeline tasks print.")] = False,
         benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", help="Run the benchmark pipeline of these methods (repeatable) on one partition instead, and print its comparison table.")] = None):
@@ -75,15 +76,18 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     The same compiled pipeline runs on a cluster (`fedpipe submit`). Running a config again reuses
     its finished steps and resumes an interrupted phase from its last finished round.
     """
-    import json
-
+    from fedpipe.errors import CorruptArtifactError
     from fedpipe.pipelines.local_runner import run_locally, run_method_locally
     from fedpipe.run.run import Run
+    from fedpipe.safe_load import read_store_json
 
     cfg = _load(config, set, run_id)
-    r = Run(cfg)
+    r = Run(cfg, take_over=take_over)
     if fresh:
         r.fresh()
+    elif take_over:  # the pipeline's tasks are other processes: take the run over here, then hand it on
+        with r.owner:
+            pass
     r.preflight()  # bad data, split or model: a clear message before anything is written
     root = pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp"
     if benchmark:
@@ -97,7 +101,8 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
         return
     typer.echo(f"Running pipeline {cfg.method.name} ({', '.join(p.name for p in r.phases())}) locally; task artifacts in {root}", err=True)
     folder = run_method_locally(cfg, root, verbose)
-    summary = json.loads(r.store.get_text(r.layout.report("summary.json")))
+    summary = read_store_json(r.store, r.layout.report("summary.json"), "run summary", 2**20, CorruptArtifactError,
+                              "Run `fedpipe evaluate` again.")
     summary["report"] = r.store.url(r.layout.report_dir)
     _print_summary(summary)
     typer.echo(f"  report as HTML         {folder / 'evaluate' / 'report'} (the pipeline's artifact)")
@@ -118,11 +123,12 @@ def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = N
 @app.command()
 @_guarded
 def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to run (see `fedpipe methods`), e.g. federation.")],
-          config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None):
+          config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
+          take_over: Annotated[bool, typer.Option("--take-over", help="Take the run over from a writer whose heartbeat is older than FEDPIPE_OWNER_STALE_SECONDS (a dead one).")] = False):
     """Run one training phase; it reads the previous phase's state and resumes from its own last checkpoint."""
     from fedpipe.run.run import Run
 
-    r = Run(_load(config, set, run_id))
+    r = Run(_load(config, set, run_id), take_over=take_over)
     state = r.train(phase)
     if state is None:  # a rank > 0 of a distributed phase: rank 0 reports
         return
@@ -227,6 +233,7 @@ ProcessesOpt = Annotated[Optional[int], typer.Option("--processes-per-node", min
 GpusOpt = Annotated[Optional[int], typer.Option("--gpus-per-process", min=0, help="With --distributed-phase: GPUs per process, NCCL between them (default 0: CPU, gloo).")]
 JobCleanupOpt = Annotated[Optional[str], typer.Option("--job-cleanup", help="With --distributed-phase: delete the finished PyTorchJob on-success (default; a failed one is kept to inspect), always, or never.")]
 JobTimeoutOpt = Annotated[Optional[int], typer.Option("--job-timeout", min=1, help="With --distributed-phase: seconds the PyTorchJob may run (default 86400).")]
+SigningSecretOpt = Annotated[Optional[str], typer.Option(help="Secret holding the artifact signing key under the key 'key': every task gets it as FEDPIPE_SIGNING_KEY and signs everything it writes (default: none, unsigned; the chart's signing.*).")]
 KfpVersionOpt = Annotated[Optional[str], typer.Option("--kfp-version", help="The Kubeflow Pipelines backend the pipeline is compiled for (register, submit, schedule: the server's own; compile: 2.5.0, the floor, whose pipeline runs on every supported backend). From 2.16.0 (Kubeflow 26.03) every task also gets a securityContext: user 1000, non-root; older API servers refuse or drop such a task config.")]
 JobApiOpt = Annotated[Optional[str], typer.Option("--job-api", help="With --distributed-phase: pytorchjob (Kubeflow Training Operator v1, default) or trainjob (Kubeflow Trainer v2.1+, Kubeflow 1.11+: a TrainJob on a ClusterTrainingRuntime).")]
 TrainerRuntimeOpt = Annotated[Optional[str], typer.Option("--trainer-runtime", help="With --job-api trainjob: the ClusterTrainingRuntime the TrainJob runs on (default torch-distributed, which Trainer ships).")]
@@ -239,7 +246,7 @@ DEPLOY_OPTIONS = {
     "accelerator_count": AcceleratorCountOpt, "accelerator_type": AcceleratorTypeOpt, "resource": ResourceOpt,
     "store": StoreOpt, "s3_endpoint": S3EndpointOpt, "s3_secret": S3SecretOpt, "pushgateway": PushgatewayOpt,
     "distributed_phase": DistributedPhaseOpt, "nodes": NodesOpt, "processes_per_node": ProcessesOpt,
-    "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt, "job_api": JobApiOpt, "kfp_version": KfpVersionOpt,
+    "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt, "job_api": JobApiOpt, "kfp_version": KfpVersionOpt, "signing_secret": SigningSecretOpt,
     "trainer_runtime": TrainerRuntimeOpt,
 }
 DEPLOY_FLAGS = tuple(DEPLOY_OPTIONS)
@@ -292,7 +299,7 @@ def _options(deploy: dict, distributed: tuple = ()):
         if deploy.get(name) is not None:
             resources[name] = str(deploy[name])
     chosen = {key: deploy.get(key) for key in ("image_repository", "image_tag", "training_image_tag", "store", "s3_endpoint",
-                                                "s3_secret", "pushgateway", "kfp_version")}
+                                                "s3_secret", "pushgateway", "kfp_version", "signing_secret")}
     return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
 
 
@@ -331,8 +338,22 @@ def compile_(config: ConfigOpt = None, set: SetOpt = None,
 
 HostOpt = Annotated[Optional[str], typer.Option(help="Kubeflow Pipelines API, e.g. http://localhost:8080 (port-forwarded) or, in the cluster, http://ml-pipeline.kubeflow.svc.cluster.local:8888 (default: env KF_PIPELINES_ENDPOINT).")]
 NamespaceOpt = Annotated[Optional[str], typer.Option(help="Kubeflow profile namespace; required on multi-user Kubeflow (default: kfp's saved namespace, or in a pod its own namespace). A single-user KFP ignores it.")]
-TokenOpt = Annotated[Optional[str], typer.Option(envvar="FEDPIPE_KFP_TOKEN", show_default=False, help="Bearer token for the KFP API (multi-user Kubeflow, outside the cluster), e.g. $(kubectl create token default-editor -n <namespace> --audience pipelines.kubeflow.org); prefer the env var to the flag.")]
-TokenFileOpt = Annotated[Optional[str], typer.Option(envvar="KF_PIPELINES_SA_TOKEN_PATH", help="File holding the bearer token, re-read on each request (default: the pod's projected token /var/run/secrets/kubeflow/pipelines/token when it exists). --token wins.")]
+
+
+def _token_from_env_only(ctx: typer.Context, param: typer.CallbackParam, value: Optional[str]) -> Optional[str]:
+    """The KFP token comes from the environment or a file, never from the command line: argv is
+    readable by every user of the machine (`ps`, /proc/<pid>/cmdline) and lands in shell history."""
+    source = ctx.get_parameter_source(param.name)  # typer's own click or click: compared by name
+    if value is not None and getattr(source, "name", None) == "COMMANDLINE":
+        raise typer.BadParameter(param_hint="'--token'", message=
+            "a token on the command line is visible to every user of this machine (ps) and stays in your shell "
+            "history, so fedpipe does not take it there. Put it in the environment, FEDPIPE_KFP_TOKEN="
+            "$(kubectl create token ...), or in a file readable only by you and pass --token-file FILE.")
+    return value
+
+
+TokenOpt = Annotated[Optional[str], typer.Option(envvar="FEDPIPE_KFP_TOKEN", show_default=False, hidden=True, callback=_token_from_env_only, help="Refused: the bearer token comes from env FEDPIPE_KFP_TOKEN or --token-file, never the command line.")]
+TokenFileOpt = Annotated[Optional[str], typer.Option(envvar="KF_PIPELINES_SA_TOKEN_PATH", help="File holding the bearer token for the KFP API (multi-user Kubeflow), re-read on each request; or put the token itself in env FEDPIPE_KFP_TOKEN (which wins), e.g. FEDPIPE_KFP_TOKEN=$(kubectl create token default-editor -n <namespace> --audience pipelines.kubeflow.org). Default: the pod's projected token /var/run/secrets/kubeflow/pipelines/token when it exists.")]
 MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help="Shortcut for --set method.name=METHOD.")]
 NameOpt = Annotated[Optional[str], typer.Option(help="Pipeline name in Kubeflow (default: fedpipe-<method>).")]
 ExperimentOpt = Annotated[str, typer.Option(help="Kubeflow experiment the runs belong to.")]

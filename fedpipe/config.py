@@ -8,12 +8,66 @@ parameters each dataset, partition scheme, network and method declares beside it
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedpipe.errors import ConfigError
 from fedpipe.safe_load import parse_yaml
+
+# --- bounds ------------------------------------------------------------------------------------------
+# Every field that sizes work or memory has an upper bound, so that a typo (an extra zero, 1e9) or a
+# hostile pipeline parameter is refused when the config is read instead of starting a run that never
+# ends or that allocates until the node dies. Each bound is far above any real use; the error names
+# the field and the bound (`format_validation_error`).
+
+#: Rounds (and evaluation intervals): the papers run 100 to 2,000 rounds; 100,000 is 50x the most.
+MAX_ROUNDS = 100_000
+#: Local epochs of any stage (train.local_epochs, a method's fine-tuning or early-stopped epochs):
+#: the mixture-of-experts paper's 500 early-stopped epochs is the most any method uses.
+MAX_EPOCHS = 10_000
+#: Clients (of a round, or a quorum): a million is cross-device scale, beyond what one run's manifest holds.
+MAX_CLIENTS = 1_000_000
+#: Samples in one batch (train or evaluation): a batch larger than a million samples is a typo.
+MAX_BATCH = 1_000_000
+#: Worker processes of one phase on one machine: the largest machines have a few hundred cores
+#: (and processes are clamped to the usable cores when they start, `engine.distributed.run_ranks`).
+MAX_PROCESSES = 1024
+#: CPU threads of one process: as for processes.
+MAX_THREADS = 1024
+#: Width of a layer or an embedding a method adds (FedMN's router, hidden widths): the bundled
+#: networks are at most 512 wide; 65,536 is 128x that, and one such square layer is already 16 GiB.
+MAX_WIDTH = 65_536
+#: Per-round checkpoints kept (each a whole phase state in the store).
+MAX_CHECKPOINTS = 1_000
+#: Histogram bins (ECE): 15 is usual, hundreds is already noise.
+MAX_BINS = 10_000
+#: Memory for clients' states, in MiB (1 TiB).
+MAX_STATE_MEMORY_MB = 2**20
+#: Seconds a finished run waits before it deletes its Pushgateway groups: a scrape interval is at
+#: most a few minutes; an hour is plenty and a longer wait would look like a hung task.
+MAX_RETENTION_SECONDS = 3_600
+#: A URL or a label in the config (store, Pushgateway, pipeline label): URLs rarely pass 200 characters.
+MAX_URL_CHARS = 2_048
+
+
+CREDENTIALS_IN_URL = "contains a user name or password"
+
+
+def refuse_url_credentials(url: str, where: str, instead: str, *, bare_is_host: bool = True) -> str:
+    """`url` unchanged, or a ValueError when it carries a user name or password (``scheme://user:pass@host``):
+    a URL is printed by `fedpipe config`, stored in the run record and logged, so credentials never
+    go there. `instead` says where they go. (The rule of the S3 endpoint in `fedpipe.store.s3`.)
+    `bare_is_host`: text without a scheme starts with a host (a Pushgateway's host:port); False: it
+    is a local path, where '@' is just a character."""
+    text = str(url).strip()
+    netloc = urlsplit(text).netloc if "://" in text else text.split("/", 1)[0] if bare_is_host else ""
+    if "@" in netloc:
+        raise ValueError(f"{where} {CREDENTIALS_IN_URL} (the part before '@'); a URL is printed, "
+                         f"logged and stored with the run, so it must hold no credentials: {instead}")
+    return url
 
 
 class Section(BaseModel):
@@ -29,27 +83,33 @@ class RunSection(Section):
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
     """Name of the run's folder in the store. None: derived from the method, dataset, split and a hash
     of the config, so the same config always lands in (and resumes) the same run."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # torch.manual_seed takes at most 64 bits
     """Fixes the partition, the initial weights, client sampling and every local shuffle."""
-    store: str = "runs"
+    store: str = Field("runs", max_length=MAX_URL_CHARS)
     """Where artifacts go: a local folder, or s3://bucket/prefix (endpoint and credentials from the
     environment: FEDPIPE_S3_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: the GPU when one is visible, else the CPU."""
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)
     """CPU threads for PyTorch (None: PyTorch's default)."""
+
+    @field_validator("store")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        return refuse_url_credentials(v, "run.store", "S3 credentials go in the environment (AWS_ACCESS_KEY_ID, "
+                                      "AWS_SECRET_ACCESS_KEY; in a cluster the storage Secret).", bare_is_host=False)
 
 
 class TrainConfig(Section):
     """Federated rounds and local optimisation, shared by every method."""
 
-    rounds: int = Field(30, ge=1)
+    rounds: int = Field(30, ge=1, le=MAX_ROUNDS)
     """R: federated rounds (methods with extra phases, such as fine-tuning, add them after)."""
     client_fraction: float = Field(1.0, gt=0, le=1)
     """C: fraction of clients sampled per round, without replacement (at least one)."""
-    local_epochs: int = Field(5, ge=1)
+    local_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)
     """E: local epochs per round."""
-    batch_size: int = Field(10, ge=1)
+    batch_size: int = Field(10, ge=1, le=MAX_BATCH)
     """B: local mini-batch size."""
     optimizer: Literal["sgd", "adam"] = "sgd"
     """Local optimiser, rebuilt every round (no optimiser state is kept between rounds)."""
@@ -61,21 +121,21 @@ class TrainConfig(Section):
     """SGD momentum."""
     weight_decay: float = Field(1e-4, ge=0)
     """L2 weight decay of the local optimiser."""
-    min_clients: int = Field(1, ge=1)
+    min_clients: int = Field(1, ge=1, le=MAX_CLIENTS)
     """A round fails when fewer clients than this report back (a failed client is left out of the round)."""
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, le=MAX_CHECKPOINTS)
     """Per-round checkpoints kept while a phase runs (older ones are deleted; the phase's final state stays)."""
 
 
 class EvalConfig(Section):
     """How often and how the models are evaluated."""
 
-    every: int = Field(1, ge=0)
+    every: int = Field(1, ge=0, le=MAX_ROUNDS)
     """Evaluate personalized and global accuracy every this many rounds (and always at a phase's end);
     0 evaluates only at phase ends."""
-    ece_bins: int = Field(15, ge=1)
+    ece_bins: int = Field(15, ge=1, le=MAX_BINS)
     """Bins of the expected calibration error."""
-    batch_size: int = Field(1000, ge=1)
+    batch_size: int = Field(1000, ge=1, le=MAX_BATCH)
     """Batch size for evaluation (memory only; results do not depend on it)."""
     personalized_on_global_test: bool = False
     """Also score every client's personalized model on the balanced global test set (the mixture-of-
@@ -92,16 +152,17 @@ class EngineConfig(Section):
     by one on a CPU (decided from the device, never from timings, so a config and seed always compute
     the same numbers; the log says what was chosen and why). The two agree within float tolerance,
     not bit for bit."""
-    chunk: int = Field(32, ge=1)
+    chunk: int = Field(32, ge=1, le=MAX_CLIENTS)
     """Batched mode: at most this many clients share one stacked step (bounds memory)."""
-    processes: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
+    processes: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_PROCESSES)] = "auto"
     """Worker processes for one phase on this machine (torch.distributed, gloo on CPU): the round's
     clients are spread over them and their uploads all-reduced. auto: on a CPU with 2+ usable cores
     (affinity and container CPU limit) and a round of 5,000+ training samples, one single-threaded
     process per core (at most one per client); else 1 (`fedpipe.engine.choice`). The choice is
     recorded beside the phase's checkpoints (engine.json) and reused by reruns and resumes. Under
-    torchrun the world size comes from torchrun instead."""
-    state_memory_mb: float = Field(1024, gt=0)
+    torchrun the world size comes from torchrun instead. At most 1024, and never more than the
+    usable cores when the processes start (a larger number, configured or recorded, is clamped with a warning)."""
+    state_memory_mb: float = Field(1024, gt=0, le=MAX_STATE_MEMORY_MB)
     """Clients' persistent states (SuPerFed's local models, pFedMB's alphas, ...) kept in memory up to
     this size; the least recently used beyond it spill to the store (<run>/phases/<phase>/clients/,
     one immutable object per client and round; checkpoints then refer to them) and come back when
@@ -116,18 +177,25 @@ class EngineConfig(Section):
 class TelemetryConfig(Section):
     """Where per-round metrics go besides the run's JSONL file."""
 
-    pushgateway: str | None = None
+    pushgateway: str | None = Field(None, max_length=MAX_URL_CHARS)
     """Prometheus Pushgateway URL for per-round metrics (None: env FEDPIPE_PUSHGATEWAY, else no push)."""
     progress: bool = True
     """Show a progress bar over rounds on the terminal."""
-    pipeline: str = "local"
+    pipeline: str = Field("local", max_length=253)  # a Kubernetes name at most
     """The `pipeline` label on pushed metrics (set by the Kubeflow pipeline)."""
-    pushgateway_retention_seconds: int = Field(60, ge=0)
+    pushgateway_retention_seconds: int = Field(60, ge=0, le=MAX_RETENTION_SECONDS)
     """When the run's evaluation has finished, every Pushgateway group of the run (all its phases) is
     deleted once its newest push is this many seconds old, so that Prometheus has scraped the final
     values first (60: four scrapes at the chart's 15 s interval; 0: delete at once). After deletion
     Prometheus keeps the history in its TSDB and marks the series stale, so the dashboard stops showing
     the finished run as live. An unreachable Pushgateway only logs a warning."""
+
+    @field_validator("pushgateway")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        return v if v is None else refuse_url_credentials(
+            v, "telemetry.pushgateway", "a Pushgateway that needs authentication is reached through a proxy or a "
+            "service mesh (an Istio sidecar) that adds it, never through the URL.")
 
 
 def apply_override(tree: dict, assignment: str) -> None:
@@ -151,6 +219,9 @@ def apply_override(tree: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
+_URL_USERINFO = re.compile(r"(://)[^/@\s'\"]*@")
+
+
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -159,11 +230,16 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; `fedpipe config --explain` lists the fields)"
+        elif e["type"] in ("less_than_equal", "less_than", "too_long", "string_too_long"):
+            msg += " (fedpipe's bound on this field, far above real use: check for a typo such as an extra zero)"
         try:
             got = repr(e.get("input"))
         except ValueError:  # an int of more digits than Python prints (0x followed by 5,000 f's)
             got = f"an {type(e.get('input')).__name__} too long to print"
         got = got if len(got) <= 200 else got[:197] + "..."  # a value from a big file stays one line
+        got = _URL_USERINFO.sub(r"\1***@", got)  # an error message is pasted into issues: no password in it
+        if CREDENTIALS_IN_URL in msg:
+            got = "a URL with credentials, not repeated here"
         lines.append(f"  {loc or '(top level)'}: {msg} (got {got})" if e["type"] != "missing" else f"  {loc}: required")
     return "The configuration is invalid:\n" + "\n".join(lines)
 

@@ -33,3 +33,8 @@ class TrainingError(FedpipeError):
 class GpuUnusableError(FedpipeError):
     """This process was given a GPU that PyTorch cannot use (an NVIDIA driver too old for torch's CUDA
     build, or none at all): the run stops rather than train on the CPU with the GPU idle."""
+
+
+class ArtifactSignatureError(CorruptArtifactError):
+    """With artifact signing on (FEDPIPE_SIGNING_KEY), an artifact's signature is missing or does not match:
+    it was changed, moved to another key, or signed with another key, after it was written."""

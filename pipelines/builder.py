@@ -31,6 +31,7 @@ from kfp import compiler, dsl, kubernetes
 from fedpipe import __version__
 from fedpipe.algorithms import ALGORITHMS, phases_of
 from fedpipe.components.definitions import Components, build, compile_components
+from fedpipe.config import refuse_url_credentials
 from fedpipe.errors import ConfigError
 from fedpipe.k8s.pytorchjob import PhaseJob
 from fedpipe.run.config import RunConfig, load_config
@@ -126,6 +127,9 @@ class DeployOptions:
     s3_endpoint: str = "http://minio-service.kubeflow:9000"
     s3_secret: str = "mlpipeline-minio-artifact"  # Kubeflow's own MinIO credentials
     s3_secret_keys: tuple[str, str] = ("accesskey", "secretkey")
+    # Secret holding the artifact signing key under the data key "key" (the chart's signing.*): every task gets
+    # it as FEDPIPE_SIGNING_KEY, so every store it opens signs and verifies (fedpipe.store.signed). Empty: unsigned.
+    signing_secret: str = ""
     pushgateway: str = ""  # default of the run parameter telemetry_pushgateway; empty: no metrics are pushed
     resources: dict[str, str] = field(default_factory=dict)  # defaults of the resource parameters (RESOURCE_PARAMETERS)
     retries: int = 2  # a failed training task is retried and resumes from its last checkpoint
@@ -138,6 +142,14 @@ class DeployOptions:
     kfp_version: str = MIN_KFP_BACKEND
 
     def __post_init__(self) -> None:
+        for flag, url in (("--pushgateway", self.pushgateway), ("--s3-endpoint", self.s3_endpoint)):
+            try:
+                refuse_url_credentials(url, flag, "the pods read the store's credentials from the Secret "
+                                       "(--s3-secret); a Pushgateway behind authentication needs a proxy in the namespace.")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.signing_secret and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.signing_secret):
+            raise ConfigError(f"--signing-secret {self.signing_secret!r} is not a Kubernetes Secret name.")
         version = parse_kfp_version(self.kfp_version)
         if version is None or version < parse_kfp_version(MIN_KFP_BACKEND):
             raise ConfigError(f"--kfp-version {self.kfp_version!r} is not a Kubeflow Pipelines release of {MIN_KFP_BACKEND} or "
@@ -235,6 +247,8 @@ def _storage(task, options: DeployOptions, secret) -> None:
         task.set_env_variable(name, value)
     access, secret_key = options.s3_secret_keys
     kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={access: "AWS_ACCESS_KEY_ID", secret_key: "AWS_SECRET_ACCESS_KEY"})
+    if options.signing_secret:
+        kubernetes.use_secret_as_env(task, secret_name=options.signing_secret, secret_key_to_env={"key": "FEDPIPE_SIGNING_KEY"})
     # kfp-kubernetes writes SecretAsEnv.optional: false, a field the protos have only since KFP 2.15.0
     # (kubeflow/pipelines#12216): 2.14 would refuse the run, 2.5.0 drop the pod's labels. false is its
     # default, so leaving it out means the same on every backend.
@@ -297,7 +311,7 @@ def _step(task, v: dict, options: DeployOptions, secret) -> None:
 def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob, config, manifest, secret, inputs: dict):
     """The task that runs a phase as a PyTorchJob: a small pod of its own (it only talks to the API server
     and copies artifacts); the training resources parameters size each pod of the job instead."""
-    storage = {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": list(options.s3_secret_keys),
+    storage = {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": list(options.s3_secret_keys), "signing_secret": options.signing_secret,
                "pushgateway": options.pushgateway, "extra_env": dict(options.extra_env)}
     task = c.launch_phase_job(
         config=config, phase=job.phase, manifest=manifest, job=job.as_dict(), image=options.training_image, storage=storage,

@@ -13,7 +13,8 @@ touches a namespace; see tests/kfp_api_standin.py for what it enforces, with the
   name, or --token-file, points elsewhere). It is re-read on every request, so the kubelet's
   rotation is seen. It is used whenever the file is there, --host given or not (kfp itself only
   uses it when no host is given);
-- outside: --token (env FEDPIPE_KFP_TOKEN), e.g. from
+- outside: env FEDPIPE_KFP_TOKEN (never a --token flag: argv is visible in `ps`), or
+  --token-file, e.g. from
   `kubectl create token default-editor -n <profile> --audience pipelines.kubeflow.org`, with the API
   port-forwarded. A kubeconfig alone cannot work: through the Kubernetes API server's service
   proxy (kfp's route when no host is given) the Authorization header is consumed by that API
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedpipe import __version__
+from fedpipe.config import refuse_url_credentials
 from fedpipe.errors import FedpipeError
 from fedpipe.pipelines.builder import MIN_KFP_BACKEND, compile_pipeline, parse_kfp_version
 from fedpipe.store.base import sha256_hex
@@ -109,6 +111,12 @@ def connect(host: str | None, namespace: str | None = None, token: str | None = 
     multi-user Kubeflow the pod's namespace); the returned client's user namespace is set to it."""
     import kfp
 
+    for url, where in ((host, "--host"), (os.environ.get("KF_PIPELINES_ENDPOINT"), "env KF_PIPELINES_ENDPOINT")):
+        try:
+            refuse_url_credentials(url or "", f"The Kubeflow Pipelines API URL ({where})",
+                                   f"the token goes in env {TOKEN_ENV} or a file named by --token-file.")
+        except ValueError as e:
+            raise FedpipeError(str(e)) from None
     credentials = _credentials(token, token_file)
     try:
         with warnings.catch_warnings():
@@ -151,8 +159,9 @@ def kfp_cron(expression: str) -> str:
 _HINTS = {
     401: (" The server wants to know who is calling (multi-user Kubeflow): in a pod, mount a projected "
           "service-account token with audience pipelines.kubeflow.org at " + IN_CLUSTER_TOKEN_PATH + " (or pass "
-          f"--token-file); outside, pass --token or set {TOKEN_ENV}, e.g. to the output of `kubectl create token "
-          "default-editor -n <profile namespace> --audience pipelines.kubeflow.org`."),
+          f"--token-file); outside, set {TOKEN_ENV} (never --token on the command line, which `ps` shows) to the output "
+          "of `kubectl create token default-editor -n <profile namespace> --audience pipelines.kubeflow.org`, or "
+          "write it to a file only you can read and pass --token-file."),
     403: " The caller is not allowed to do that in this namespace: check --namespace and the profile's role bindings.",
 }
 

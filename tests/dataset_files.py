@@ -6,6 +6,8 @@ torchvision (or the official Tiny ImageNet zip) puts them under a data root.
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
 from pathlib import Path
 
@@ -47,10 +49,58 @@ def write_emnist(root: Path, split: str, train: tuple, test: tuple) -> Path:
     return raw
 
 
-def _pickle(path: Path, obj: dict) -> None:
+class _Python2Pickler(pickle._Pickler):
+    """Protocol 2 as Python 2's cPickle wrote the official CIFAR files: `str` and byte strings as
+    BINSTRING opcodes (read back with encoding="latin1"), not Python 3's BINUNICODE and _codecs.encode."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def _save_binstring(self, obj: bytes | str) -> None:
+        data = obj.encode("latin-1") if isinstance(obj, str) else obj
+        if len(data) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(data)]) + data)
+        else:
+            self.write(pickle.BINSTRING + len(data).to_bytes(4, "little") + data)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_binstring
+    dispatch[str] = _save_binstring
+
+
+def python2_pickle(obj: object) -> bytes:
+    """`obj` pickled the way the official CIFAR batch files are: protocol 2 from Python 2, numpy arrays
+    through numpy.core.multiarray._reconstruct (numpy 1's module name)."""
+    buffer = io.BytesIO()
+    _Python2Pickler(buffer, protocol=2).dump(obj)
+    return buffer.getvalue().replace(b"cnumpy._core.multiarray\n_reconstruct\n", b"cnumpy.core.multiarray\n_reconstruct\n")
+
+
+def _pickle(path: Path, obj: dict, python2: bool = False) -> None:
+    """Protocol 2 from Python 3 (bytes through _codecs.encode), or with `python2` byte for byte the way
+    Python 2 wrote the official files."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if python2:
+        path.write_bytes(python2_pickle(obj))
+        return
     with open(path, "wb") as f:
         pickle.dump(obj, f, protocol=2)
+
+
+class RunsCommand:
+    """What a planted pickle holds: unpickling it calls os.system(command), which is `posix.system`
+    on Linux (the name the pickle stores)."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def plant_pickle(path: Path, marker: Path, protocol: int = 2) -> None:
+    """Overwrite `path` with a CIFAR-looking batch whose 'data' runs `touch marker` when unpickled."""
+    batch = {"batch_label": "training batch 1 of 5", "labels": [0], "data": RunsCommand(f"touch {marker}")}
+    path.write_bytes(pickle.dumps(batch, protocol=protocol))
 
 
 def _cifar_rows(x: np.ndarray) -> np.ndarray:
@@ -58,38 +108,38 @@ def _cifar_rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.uint8).reshape(len(x), 3 * 32 * 32)
 
 
-def write_cifar10(root: Path, train: tuple, test: tuple, label_names: list[str]) -> Path:
-    """ROOT/cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta}: pickled dicts."""
+def write_cifar10(root: Path, train: tuple, test: tuple, label_names: list[str], python2: bool = False) -> Path:
+    """ROOT/cifar-10-batches-py/{data_batch_1..5, test_batch, batches.meta}: pickled dicts (see _pickle)."""
     folder = root / "cifar-10-batches-py"
     for i, idx in enumerate(np.array_split(np.arange(len(train[1])), 5), start=1):
-        _pickle(folder / f"data_batch_{i}", {
+        _pickle(folder / f"data_batch_{i}", python2=python2, obj={
             "batch_label": f"training batch {i} of 5",
             "labels": [int(v) for v in train[1][idx]],
             "data": _cifar_rows(train[0][idx]),
             "filenames": [f"img_{j}.png" for j in idx],
         })
-    _pickle(folder / "test_batch", {
+    _pickle(folder / "test_batch", python2=python2, obj={
         "batch_label": "testing batch 1 of 1",
         "labels": [int(v) for v in test[1]],
         "data": _cifar_rows(test[0]),
         "filenames": [f"test_{j}.png" for j in range(len(test[1]))],
     })
-    _pickle(folder / "batches.meta", {"label_names": label_names, "num_cases_per_batch": 10000, "num_vis": 3072})
+    _pickle(folder / "batches.meta", python2=python2, obj={"label_names": label_names, "num_cases_per_batch": 10000, "num_vis": 3072})
     return folder
 
 
-def write_cifar100(root: Path, train: tuple, test: tuple, fine_label_names: list[str]) -> Path:
-    """ROOT/cifar-100-python/{train, test, meta}: pickled dicts with fine and coarse labels."""
+def write_cifar100(root: Path, train: tuple, test: tuple, fine_label_names: list[str], python2: bool = False) -> Path:
+    """ROOT/cifar-100-python/{train, test, meta}: pickled dicts with fine and coarse labels (see _pickle)."""
     folder = root / "cifar-100-python"
     for part, (x, y) in (("train", train), ("test", test)):
-        _pickle(folder / part, {
+        _pickle(folder / part, python2=python2, obj={
             "batch_label": f"{part} batch",
             "fine_labels": [int(v) for v in y],
             "coarse_labels": [int(v) // 5 for v in y],
             "data": _cifar_rows(x),
             "filenames": [f"{part}_{j}.png" for j in range(len(y))],
         })
-    _pickle(folder / "meta", {
+    _pickle(folder / "meta", python2=python2, obj={
         "fine_label_names": fine_label_names,
         "coarse_label_names": [f"super_{i}" for i in range(20)],
     })

@@ -455,11 +455,9 @@ def test_submit_with_the_token_file_the_chart_names_puts_experiment_and_run_in_t
     assert len(kfp_multi_user.runs) == 2 and not kfp_multi_user.requests("POST", f"{API}/experiments")
 
 
-@pytest.mark.parametrize("how", ["flag", "env"])
-def test_schedule_from_outside_with_a_token_makes_the_recurring_run_in_the_namespace(kfp_multi_user, monkeypatch, how):
-    token = ["--token", TOKEN] if how == "flag" else []
-    if how == "env":
-        monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+def test_schedule_from_outside_with_a_token_makes_the_recurring_run_in_the_namespace(kfp_multi_user, monkeypatch):
+    token = []  # the token comes from FEDPIPE_KFP_TOKEN (a --token value would show in `ps`; tests/test_secrets.py)
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
     ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM, *token))
 
     assert_all_authenticated(kfp_multi_user)
@@ -483,8 +481,9 @@ def test_unschedule_in_a_profile_namespace_with_only_the_verbs_it_needs(kfp_mult
     """The verbs the real server checks (kubeflow/pipelines 2.5.0, backend/src/apiserver/server/): experiment_server.go
     ListExperiments (list experiments, kfp's get_experiment by name), job_server.go listJobs (list jobs in the
     experiment's namespace) and DeleteRecurringRun -> deleteJob -> canAccessJob (delete jobs in the job's namespace)."""
-    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM,
-                   "--token", TOKEN))
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM))
+    monkeypatch.delenv("FEDPIPE_KFP_TOKEN")
     [job_id] = kfp_multi_user.recurring_runs
     # the chart's uninstall hook: its ServiceAccount's projected token, and a Role with only these rules
     hook_user = "system:serviceaccount:team-a:fedpipe-hook"
@@ -505,31 +504,34 @@ def test_unschedule_in_a_profile_namespace_with_only_the_verbs_it_needs(kfp_mult
     assert delete.path == f"{API}/recurringruns/{job_id}"
 
 
-def test_unschedule_in_a_namespace_the_caller_may_not_use_is_refused(kfp_multi_user):
-    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM,
-                   "--token", TOKEN))
+def test_unschedule_in_a_namespace_the_caller_may_not_use_is_refused(kfp_multi_user, monkeypatch):
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    ok(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *", "--namespace", TEAM))
     kfp_multi_user.add_token("other-token", "system:serviceaccount:team-b:fedpipe")
     kfp_multi_user.grant("system:serviceaccount:team-b:fedpipe", "team-b")
-    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM,
-                                          "--token", "other-token"))
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", "other-token")
+    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM))
     assert "is not authorized" in message and TEAM in message
     assert len(kfp_multi_user.recurring_runs) == 1
-    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    message = error_paragraph(fedpipe_cli("unschedule", "--host", kfp_multi_user.url, "--method", "fedavg"))
     assert "multi-user" in message and "--namespace" in message
 
 
 @pytest.mark.parametrize("command", [["register"], ["submit"], ["schedule", "--cron", "0 3 * * *"]], ids=["register", "submit", "schedule"])
-def test_multi_user_without_a_namespace_is_refused_before_anything_is_sent(kfp_multi_user, command):
-    message = error_paragraph(fedpipe_cli(*command, "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
+def test_multi_user_without_a_namespace_is_refused_before_anything_is_sent(kfp_multi_user, command, monkeypatch):
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    message = error_paragraph(fedpipe_cli(*command, "--host", kfp_multi_user.url, "--method", "fedavg"))
     assert "multi-user" in message and "--namespace" in message
     assert {r.path for r in kfp_multi_user.recorded} == {HEALTHZ}, "nothing is looked up or uploaded"
     assert not kfp_multi_user.pipelines and not kfp_multi_user.experiments
 
 
-def test_the_namespace_kfp_remembers_is_used(kfp_multi_user, tmp_path):
+def test_the_namespace_kfp_remembers_is_used(kfp_multi_user, tmp_path, monkeypatch):
     """kfp's own mechanism: kfp.Client().set_user_namespace() saves it in ~/.config/kfp/context.json."""
     (tmp_path / "kfp-context.json").write_text(json.dumps({"namespace": TEAM}))
-    ok(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--token", TOKEN))
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    ok(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg"))
     assert_all_authenticated(kfp_multi_user)
     assert kfp_multi_user.experiment_named("fedpipe", TEAM) is not None
     assert [r["namespace"] for r in kfp_multi_user.runs.values()] == [TEAM]
@@ -538,19 +540,21 @@ def test_the_namespace_kfp_remembers_is_used(kfp_multi_user, tmp_path):
 def test_multi_user_without_credentials_says_how_to_pass_a_token(kfp_multi_user):
     message = error_paragraph(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", TEAM))
     assert "refused to look up the experiment" in message and "User identity is empty" in message
-    assert "--token" in message and "pipelines.kubeflow.org" in message
+    assert "FEDPIPE_KFP_TOKEN" in message and "pipelines.kubeflow.org" in message
     assert not kfp_multi_user.experiments and not kfp_multi_user.runs
 
 
-def test_a_token_the_server_does_not_accept_is_refused(kfp_multi_user):
+def test_a_token_the_server_does_not_accept_is_refused(kfp_multi_user, monkeypatch):
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", "not-a-token")
     message = error_paragraph(fedpipe_cli("schedule", "--host", kfp_multi_user.url, "--method", "fedavg", "--cron", "0 3 * * *",
-                                          "--namespace", TEAM, "--token", "not-a-token"))
-    assert "Authentication failure" in message and "--token" in message
+                                          "--namespace", TEAM))
+    assert "Authentication failure" in message and "FEDPIPE_KFP_TOKEN" in message
     assert not kfp_multi_user.recurring_runs
 
 
-def test_a_namespace_the_caller_may_not_use_is_refused(kfp_multi_user):
-    message = error_paragraph(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", "team-b", "--token", TOKEN))
+def test_a_namespace_the_caller_may_not_use_is_refused(kfp_multi_user, monkeypatch):
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    message = error_paragraph(fedpipe_cli("submit", "--host", kfp_multi_user.url, "--method", "fedavg", "--namespace", "team-b"))
     assert f"User '{USER}' is not authorized" in message and "team-b" in message and "--namespace" in message
     assert not kfp_multi_user.experiments
 
@@ -572,8 +576,9 @@ def test_the_in_cluster_token_is_where_kfp_and_the_chart_put_it():
     assert f"mountPath: {os.path.dirname(PROJECTED_TOKEN_PATH)}\n" in helpers
 
 
-def test_a_single_user_server_takes_the_token_and_needs_no_namespace(kfp_api):
-    ok(fedpipe_cli("schedule", "--host", kfp_api.url, "--method", "fedavg", "--cron", "0 3 * * *", "--token", TOKEN))
+def test_a_single_user_server_takes_the_token_and_needs_no_namespace(kfp_api, monkeypatch):
+    monkeypatch.setenv("FEDPIPE_KFP_TOKEN", TOKEN)
+    ok(fedpipe_cli("schedule", "--host", kfp_api.url, "--method", "fedavg", "--cron", "0 3 * * *"))
     assert all(authorization(r) == f"Bearer {TOKEN}" for r in kfp_api.recorded if r.path != HEALTHZ)
     assert len(kfp_api.recurring_runs) == 1
 

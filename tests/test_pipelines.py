@@ -146,7 +146,7 @@ def test_a_distributed_phase_is_a_pytorchjob_launcher_task(tmp_path):
     assert PhaseJob.from_dict(params["job"]["runtimeValue"]["constant"]) == job
     assert params["image"]["runtimeValue"]["constant"] == options.training_image
     storage = params["storage"]["runtimeValue"]["constant"]
-    assert storage == {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": ["accesskey", "secretkey"],
+    assert storage == {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": ["accesskey", "secretkey"], "signing_secret": "",
                        "pushgateway": "http://pgw:9091", "extra_env": {}}
     # The training-resource parameters size each pod of the job; the Secret's name is fixed at compile time.
     for key in ("cpu_request", "cpu_limit", "memory_request", "memory_limit", "accelerator_type", "node_selector", "tolerations"):

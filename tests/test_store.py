@@ -12,6 +12,7 @@ import pytest
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store import LocalStore, S3Store, Store, open_store, validate_key
 from fedpipe.store import folder as local_mod
+from fedpipe.store.folder import LOCK_NAME
 
 
 @pytest.fixture
@@ -20,7 +21,8 @@ def store(tmp_path: Path) -> LocalStore:
 
 
 def all_files(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    """Every file under `root` but the folders' lock files (`LOCK_NAME`, one per folder written)."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != LOCK_NAME)
 
 
 def test_round_trip_is_a_plain_file_with_sidecar(store: LocalStore):
@@ -294,3 +296,78 @@ def test_s3_bad_bucket_and_retry_env(monkeypatch: pytest.MonkeyPatch):
         S3Store("abc", endpoint="http://127.0.0.1:9000", access_key="a", secret_key="b")
     monkeypatch.setenv("FEDPIPE_S3_RETRY_SECONDS", "7.5")
     assert S3Store("abc", endpoint="https://s3.example", access_key="a", secret_key="b").retry_seconds == 7.5
+
+
+# --- confinement and concurrent writers (issue 21, 7a and 3) ------------------------------------------
+
+
+@pytest.fixture
+def escape(store: LocalStore, tmp_path: Path) -> Path:
+    """`<root>/run-1/out` is a symlink to a folder outside the store holding secret.txt (with a
+    sidecar, so that only the confinement check can refuse reading it)."""
+    outside = tmp_path / "outside"
+    (outside / ".sha256").mkdir(parents=True)
+    (outside / "secret.txt").write_bytes(b"secret")
+    (outside / ".sha256" / "secret.txt").write_text(f"{hashlib.sha256(b'secret').hexdigest()}  secret.txt\n")
+    (store.root / "run-1").mkdir(parents=True)
+    (store.root / "run-1" / "out").symlink_to(outside, target_is_directory=True)
+    (store.root / "run-1" / "leak.txt").symlink_to(outside / "secret.txt")
+    return outside
+
+
+@pytest.mark.parametrize("key", ["run-1/out/secret.txt", "run-1/leak.txt"])
+def test_a_symlink_out_of_the_root_is_refused_on_read_write_and_delete(store: LocalStore, escape: Path, key: str):
+    refused = re.escape(repr(key)) + ".*leads out of the store folder"
+    with pytest.raises(StoreError, match=refused):
+        store.get(key)
+    with pytest.raises(StoreError, match=refused):
+        store.put(key, b"overwritten")
+    with pytest.raises(StoreError, match=refused):
+        store.delete(key)
+    with pytest.raises(StoreError, match=refused):
+        store.exists(key)
+    assert (escape / "secret.txt").read_bytes() == b"secret"  # neither overwritten nor deleted
+    assert (escape / ".sha256" / "secret.txt").exists()
+
+
+def test_listing_refuses_a_symlink_out_of_the_root(store: LocalStore, escape: Path):
+    with pytest.raises(StoreError, match="'run-1/leak.txt'.*leads out of the store folder"):
+        store.list("run-1/")
+    with pytest.raises(StoreError, match="'run-1/out'.*leads out of the store folder"):
+        store.list("run-1/out/")
+
+
+def test_a_symlink_inside_the_root_still_works(store: LocalStore):
+    store.put("real/a.txt", b"a")
+    (store.root / "alias").symlink_to(store.root / "real", target_is_directory=True)
+    assert store.get("alias/a.txt") == b"a"
+
+
+def _hammer(root: str, i: int, barrier, trials: int, corrupt) -> None:
+    store = LocalStore(root)
+    for n in range(trials):
+        barrier.wait()
+        store.put("run-1/state.pt", f"writer {i} trial {n} ".encode() * (2000 + 97 * i))
+        barrier.wait()
+        if i == 0:
+            try:
+                store.get("run-1/state.pt")
+            except CorruptArtifactError:
+                corrupt.value += 1
+
+
+def test_concurrent_writers_of_one_key_never_leave_an_object_failing_its_hash(store: LocalStore):
+    """Before each write held the key's lock, two processes writing one key left one's bytes beside
+    the other's hash in 10 of 40 trials."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    writers, trials = 4, 40
+    barrier, corrupt = ctx.Barrier(writers), ctx.Value("i", 0)
+    procs = [ctx.Process(target=_hammer, args=(str(store.root), i, barrier, trials, corrupt)) for i in range(writers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * writers
+    assert corrupt.value == 0, f"{corrupt.value} of {trials} trials left an object failing its hash"

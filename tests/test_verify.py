@@ -63,6 +63,20 @@ def test_a_consistent_rewrite_is_still_caught_by_the_manifest(tmp_path):
     assert code == 1 and "DAMAGED" in out and "summary.json: sha256" in out and "the manifest has" in out
 
 
+
+def test_an_artifact_grown_past_its_recorded_size_is_damaged_without_being_read(tmp_path, monkeypatch):
+    run = small_run(tmp_path, *OVERRIDES)
+    run.run_all()
+    run.store.put("test/report/summary.json", b"x" * 10_000_000)  # a consistent rewrite, far larger than recorded
+    from fedpipe.store.folder import LocalStore
+
+    fetched = []
+    original = LocalStore.get
+    monkeypatch.setattr(LocalStore, "get", lambda self, key: fetched.append(key) or original(self, key))
+    code, out = verify("test", "--store", tmp_path)
+    assert code == 1 and "DAMAGED" in out and "more than the" in out
+    assert "test/report/summary.json" not in fetched
+
 def test_an_unfinished_run_has_no_manifest_and_says_so(tmp_path):
     small_run(tmp_path, *OVERRIDES).partition()
     code, out = verify("test", "--store", tmp_path)

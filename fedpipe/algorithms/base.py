@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedpipe.algorithms.aggregation import NO_UPLOADS, WEIGHTED_MEAN, Aggregation, Params, custom, weighted_average
-from fedpipe.config import Section
+from fedpipe.config import MAX_EPOCHS, Section
 
 if TYPE_CHECKING:
     from fedpipe.data.federated import ClientData
@@ -116,7 +116,7 @@ class MethodParams(Section):
     """Base of each method's hyperparameters (a `name` literal plus its own fields)."""
 
     name: str
-    finetune_epochs: int = Field(0, ge=0)
+    finetune_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)
     """After the method's own phases, every client fine-tunes its personalized model locally for
     this many epochs (a `finetune` phase; 0: none). pFedMB's comparisons fine-tune every method."""
     finetune_lr_scale: float = Field(1.0, gt=0)

@@ -35,6 +35,7 @@ from fedpipe.algorithms.base import (
     federation_phase,
 )
 from fedpipe.algorithms.regularizers import proximal_squared
+from fedpipe.config import MAX_EPOCHS
 
 
 class DittoParams(MethodParams):
@@ -44,7 +45,7 @@ class DittoParams(MethodParams):
     lam: float = Field(0.1, ge=0)
     """lambda: weight of (1/2)||v - w^t||^2 in the personal objective (Eq. 2). 0: the personal model
     is trained locally, unaffected by the global one; large: it stays at w^t."""
-    personal_epochs: int | None = Field(None, ge=1)
+    personal_epochs: int | None = Field(None, ge=1, le=MAX_EPOCHS)
     """Epochs of the personal update per round (the paper's s local iterations); None: train.local_epochs."""
     personal_lr_scale: float = Field(1.0, gt=0)
     """Personal update's learning rate as a multiple of the round's (the paper uses one eta for both)."""

@@ -72,7 +72,7 @@ class FedFomoParams(MethodParams):
     """FedFomo: each client mixes in the other clients' models that lower its validation loss."""
 
     name: Literal["fedfomo"] = "fedfomo"
-    models_per_round: int = Field(5, ge=1)
+    models_per_round: int = Field(5, ge=1, le=1024)  # downloads per client and round
     """M: models of other clients a client downloads per round (PFLlib's default 5; official code 8)."""
     epsilon: float = Field(0.3, ge=0, le=1)
     """Exploration: probability that a download slot takes a random client instead of the highest

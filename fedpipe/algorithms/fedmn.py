@@ -48,6 +48,7 @@ Choices where the paper and code are silent, or where this differs (each stated)
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -71,6 +72,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.config import MAX_WIDTH
 from fedpipe.errors import ConfigError
 from fedpipe.nn.modular import ModularNetwork, PathLayout, RoutingHypernetwork
 from fedpipe.seeding import derive_seed
@@ -79,6 +81,12 @@ NET, ROUTER = "net.", "router."  # name prefixes of the pool's units and of the 
 DECISION = "decision"  # a client's architecture: E floats in {0, 1} (kept state; also in its candidate)
 UPLOADED = "uploaded"  # kept state: 0/1 per unit, the units it sent in its last round
 ROUND = "round"  # kept state: the last round it trained in
+
+
+#: Bounds of the module pool: the router has one logit per path (the product of `units`), so a few
+#: large layers would make it enormous; the official run has 3 layers of 2 units (8 paths).
+MAX_LAYERS = 16
+MAX_PATHS = 4096
 
 
 class FedMNParams(MethodParams):
@@ -95,9 +103,9 @@ class FedMNParams(MethodParams):
     """Encoder units: cnn (copies of the configured model's convolutional `features`, each with its
     own initialisation, then a linear layer to hidden[0]), mlp (flatten, linear), or auto (cnn when
     the model has `features`: superfed_cnn, lenet5, mcmahan_cnn; mlp otherwise)."""
-    router_feature_dim: int = Field(32, ge=1)
+    router_feature_dim: int = Field(32, ge=1, le=MAX_WIDTH)
     """Router: width of the per-sample image embedding (a small CNN, then linear)."""
-    router_label_dim: int = Field(16, ge=1)
+    router_label_dim: int = Field(16, ge=1, le=MAX_WIDTH)
     """Router: width of the per-sample label embedding (one-hot through a linear layer)."""
     tau_start: float = Field(1.0, gt=0)
     """Gumbel-sigmoid temperature in the first round."""
@@ -131,6 +139,12 @@ class FedMNParams(MethodParams):
         if len(self.hidden) != len(self.units) - 1 or (self.hidden and min(self.hidden) < 1):
             raise ValueError(f"hidden needs {len(self.units) - 1} positive widths for {len(self.units)} layers "
                              f"(units={list(self.units)}), got {list(self.hidden)}")
+        paths = math.prod(self.units)  # the router scores every path: one logit each
+        if len(self.units) > MAX_LAYERS or paths > MAX_PATHS:
+            raise ValueError(f"units {list(self.units)} make {len(self.units)} layers and {paths:,} paths; fedpipe's bound is "
+                             f"{MAX_LAYERS} layers and {MAX_PATHS:,} paths (the official run has 3 layers, 8 paths)")
+        if self.hidden and max(self.hidden) > MAX_WIDTH:
+            raise ValueError(f"hidden widths are at most {MAX_WIDTH:,} (fedpipe's bound), got {list(self.hidden)}")
         return self
 
 

@@ -68,6 +68,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.config import MAX_EPOCHS
 from fedpipe.seeding import torch_generator
 
 FINETUNED, LOCAL, SPECIALIST, GATE, GLOBAL = "finetuned", "local", "specialist", "gate", "global"
@@ -88,11 +89,11 @@ class FedMoEParams(MethodParams):
     """Federated mixture of experts: FedAvg, local specialists, then a gated mixture of the two."""
 
     name: Literal["fedmoe"] = "fedmoe"
-    max_epochs: int = Field(500, ge=1)
+    max_epochs: int = Field(500, ge=1, le=MAX_EPOCHS)
     """Most epochs of each local training (specialist, Local baseline, mixture); early stopping on the
     client's validation loss usually ends it much sooner. Default 500, the paper's; a client without a
     validation split trains all of them."""
-    patience: int = Field(3, ge=1)
+    patience: int = Field(3, ge=1, le=MAX_EPOCHS)
     """Epochs without a lower validation loss before a local training stops; its best epoch is kept.
     The paper does not give its patience. A client without a validation split trains max_epochs."""
     finetune_lr: float | None = Field(None, gt=0)

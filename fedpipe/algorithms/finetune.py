@@ -30,6 +30,7 @@ from fedpipe.algorithms.base import (
 )
 from fedpipe.algorithms.fedavg import FedAvg, FedAvgParams
 from fedpipe.algorithms.fedprox import FedProx, FedProxParams
+from fedpipe.config import MAX_EPOCHS
 
 FINETUNED = "finetuned/"  # prefix of the fine-tuned tensors in a client's kept state
 
@@ -136,7 +137,7 @@ class FedAvgFTParams(FedAvgParams):
     """FedAvg, then local fine-tuning of the final global model on every client."""
 
     name: Literal["fedavg_ft"] = "fedavg_ft"  # type: ignore[assignment]
-    finetune_epochs: int = Field(5, ge=1)
+    finetune_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)
     """Local epochs of fine-tuning per client after federated training (E of the fine-tuning step)."""
 
 
@@ -144,7 +145,7 @@ class FedProxFTParams(FedProxParams):
     """FedProx, then local fine-tuning of the final global model on every client."""
 
     name: Literal["fedprox_ft"] = "fedprox_ft"  # type: ignore[assignment]
-    finetune_epochs: int = Field(5, ge=1)
+    finetune_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)
     """Local epochs of fine-tuning per client after federated training (E of the fine-tuning step)."""
 
 

@@ -64,7 +64,7 @@ class IFCAParams(MethodParams):
     """IFCA: k cluster models; every client trains the one with the lowest loss on its data."""
 
     name: Literal["ifca"] = "ifca"
-    clusters: int = Field(2, ge=1)
+    clusters: int = Field(2, ge=1, le=1024)  # k models on the server, each scored by every client
     """k: number of cluster models (paper: the number of underlying client groups; PFLlib has no IFCA)."""
     weighting: Literal["uniform", "samples"] = "uniform"
     """How the server averages the models uploaded for one cluster: 'uniform' (the default: Algorithm 2,

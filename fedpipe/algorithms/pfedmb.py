@@ -61,6 +61,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.config import MAX_EPOCHS
 from fedpipe.nn.multibranch import BranchLayout, project_onto_simplex
 
 ALPHA = "alpha"  # a client's alpha on the simplex (kept state with `simplex: projection`; always in uploads)
@@ -71,7 +72,7 @@ class PFedMBParams(MethodParams):
     """pFedMB: multi-branch layers with client-specific branch weights alpha, alpha-weighted aggregation."""
 
     name: Literal["pfedmb"] = "pfedmb"
-    num_branches: int = Field(5, ge=1)
+    num_branches: int = Field(5, ge=1, le=64)  # the paper: at most 10; cost grows B-fold
     """B: branches per branched layer (the paper tunes it; at most 10 in its experiments, 5 in the
     10-clients-in-5-pairs study). Communication and training cost B times FedAvg's for the branched layers."""
     alpha_scope: Literal["per_layer", "shared"] = "per_layer"
@@ -99,7 +100,7 @@ class PFedMBParams(MethodParams):
     aggregation: Literal["alpha_weighted", "plain"] = "alpha_weighted"
     """alpha_weighted: branch b of layer l averaged with weights n_i * alpha^i_{l,b} (Eq. 5); plain:
     by n_i alone (Eq. 6, the paper's ablation)."""
-    finetune_epochs: int = Field(5, ge=0)
+    finetune_epochs: int = Field(5, ge=0, le=MAX_EPOCHS)
     """Local epochs of fine-tuning of each client's merged model after the last round (the paper
     fine-tunes every method for E = 5 epochs; 0: none)."""
 

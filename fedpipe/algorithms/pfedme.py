@@ -47,6 +47,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.config import MAX_EPOCHS
 
 
 class PFedMeParams(MethodParams):
@@ -56,7 +57,7 @@ class PFedMeParams(MethodParams):
     lam: float = Field(15.0, gt=0)
     """lambda: strength of the pull between the personalized model theta and the local model w.
     Paper and official code: 15."""
-    inner_steps: int = Field(5, ge=1)
+    inner_steps: int = Field(5, ge=1, le=MAX_EPOCHS)  # K steps per mini-batch
     """K: gradient steps that approximately solve the personalized problem per mini-batch (paper: 5)."""
     personal_lr: float = Field(0.01, gt=0)
     """p: learning rate of the K inner steps (PFLlib's default 0.01; the paper tunes it per dataset)."""

@@ -74,7 +74,7 @@ class _SuPerFedFields(MethodParams):
     """True (official LinesBN): norm layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm) mix
     their affine weight and bias with the layer's lam, local copy initialised to ones and zeros. False:
     norm layers stay shared. No bundled model has a norm layer."""
-    lam_grid_step: float = Field(0.1, gt=0, le=1)
+    lam_grid_step: float = Field(0.1, ge=0.001, le=1)  # 1/step + 1 candidates evaluated per client: at most 1,001
     """Spacing of the lam grid swept at evaluation (0.0, 0.1, ..., 1.0 by default)."""
 
     @model_validator(mode="after")

@@ -9,10 +9,18 @@ or downloaded there through torchvision when `data.download` is true.
 Quirks handled here, so no caller has to know them:
 - EMNIST's files store every image transposed (the NIST convention); torchvision returns them as stored,
   so letters come out mirrored and turned. We swap height and width so they look like MNIST digits.
-- torchvision checks each extracted CIFAR batch file against a hard-coded md5, which rejects everything
-  but the official bytes (a re-pickled copy, a test's tiny batches). When not downloading we read CIFAR
-  through a subclass that only checks that the files exist; a download still goes through the stock
-  class and its md5 checks. What a run used is pinned by fedpipe's own sha256 `fingerprint` of the arrays.
+- CIFAR's batch files are pickles, and they lie in a data folder someone else may have written: fedpipe
+  reads them itself, through the restricted unpickler of fedpipe.data.safe_pickle (numpy uint8 arrays,
+  lists, strings and numbers, nothing that runs code), never through torchvision's `pickle.load`; a file
+  that asks for anything else (`posix.system`) is refused with a DataError naming it, and nothing of it
+  runs. The arrays, labels and order are torchvision's. Each file's md5 is compared with the one the
+  CIFAR distribution publishes (CIFAR10_FILES, CIFAR100_FILES): a file that differs (a re-pickled copy,
+  a test's tiny batches) is still read, as plain data, with a logged warning that these are not the
+  official files; after data.download=true a difference is an error. The dataset's `fingerprint` stays
+  the sha256 of the arrays (partition manifests compare it), so it names what a run used either way.
+- torchvision reads MNIST's, Fashion-MNIST's and EMNIST's idx files as raw bytes, and a legacy
+  processed/*.pt file with `torch.load(weights_only=True)`, which refuses pickled code; Tiny ImageNet
+  (JPEGs) and AG News (CSV text) involve no pickle at all.
 - Tiny ImageNet's val split (the labelled one; its test split has no labels) serves as the official test
   split, read in place from val/val_annotations.txt. Some of its JPEGs are grayscale: all are read as RGB.
 - AG News is read from the standard ag_news_csv files (train.csv, test.csv: class index 1-4, title,
@@ -26,6 +34,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import logging
 import os
 import re
 from collections import Counter
@@ -38,7 +47,10 @@ from pydantic import field_validator
 
 from fedpipe.config import Section
 from fedpipe.data import PAD_ID, UNK_ID, DatasetBundle, LabeledArrays, is_text_shape
+from fedpipe.data.safe_pickle import load_cifar_pickle
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
+
+log = logging.getLogger(__name__)
 
 # (train, official test or None, class names), as every loader returns them.
 Splits = tuple[LabeledArrays, LabeledArrays | None, tuple[str, ...]]
@@ -293,43 +305,143 @@ def _mnist_family(name: str, torchvision_class: str, emnist_split: str | None = 
     return load
 
 
-def _files_only(cifar_class: type) -> type:
-    """The torchvision CIFAR class with its md5 checks dropped: it checks only that the files exist.
+@dataclass(frozen=True)
+class CifarFiles:
+    """One CIFAR dataset's extracted python batch files, with the md5 sums the CIFAR distribution
+    publishes for them (the values torchvision's CIFAR10 / CIFAR100 classes record)."""
 
-    torchvision's hard-coded md5 sums accept nothing but the official batch files; fedpipe pins the data
-    a run used with its own sha256 fingerprint of the arrays instead.
-    """
-    return type(
-        f"{cifar_class.__name__}FilesOnly",
-        (cifar_class,),
-        {
-            "train_list": [[f, None] for f, _ in cifar_class.train_list],
-            "test_list": [[f, None] for f, _ in cifar_class.test_list],
-            "meta": {**cifar_class.meta, "md5": None},
-        },
-    )
+    folder: str  # under the data root, as the official archive extracts it
+    train: tuple[tuple[str, str], ...]  # (file name, published md5), in torchvision's order
+    test: tuple[tuple[str, str], ...]
+    meta: tuple[str, str]
+    classes_key: str  # the meta file's list of class names
+
+    @property
+    def published_md5(self) -> dict[str, str]:
+        return dict((*self.train, *self.test, self.meta))
+
+
+CIFAR10_FILES = CifarFiles(
+    "cifar-10-batches-py",
+    train=(
+        ("data_batch_1", "c99cafc152244af753f735de768cd75f"),
+        ("data_batch_2", "d4bba439e000b95fd0a9bffe97cbabec"),
+        ("data_batch_3", "54ebc095f3ab1f0389bbae665268c751"),
+        ("data_batch_4", "634d18415352ddfa80567beed471001a"),
+        ("data_batch_5", "482c414d41f54cd18b22e5b47cb7c3cb"),
+    ),
+    test=(("test_batch", "40351d587109b95175f43aff81a1287e"),),
+    meta=("batches.meta", "5ff9c542aee3614f3951f8cda6e48888"),
+    classes_key="label_names",
+)
+CIFAR100_FILES = CifarFiles(
+    "cifar-100-python",
+    train=(("train", "16019d7e3df5f24257cddd939b257f8d"),),
+    test=(("test", "f0ef6b0ae62326f3e7ffdfab6717acfc"),),
+    meta=("meta", "7973b15100ade9c7d40fb424638fde48"),
+    classes_key="fine_label_names",
+)
+#: dataset name -> its files, looked up when the dataset is loaded
+CIFAR_FILES = {"cifar10": CIFAR10_FILES, "cifar100": CIFAR100_FILES}
+CIFAR_ROW = 3 * 32 * 32  # bytes per image in a batch's `data` rows: the red plane, then green, then blue
+
+
+def _read_cifar_file(path: Path) -> tuple[object, str]:
+    """(the unpickled content through the restricted unpickler, the file's md5)."""
+    data = path.read_bytes()
+    return load_cifar_pickle(data, str(path)), hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def _cifar_batch(entry: object, where: Path) -> tuple[np.ndarray, list[int]]:
+    """A batch's (uint8 rows, labels), read as torchvision reads them: `labels`, else `fine_labels`."""
+    key = "labels" if isinstance(entry, dict) and "labels" in entry else "fine_labels"
+    if not (isinstance(entry, dict) and "data" in entry and key in entry):
+        raise ValueError(f"{where} is not a CIFAR batch: expected a dict holding 'data' and 'labels' (or 'fine_labels')")
+    x, y = entry["data"], entry[key]
+    if not (isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 2 and x.shape[1] == CIFAR_ROW):
+        got = f"{x.dtype} array of shape {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise ValueError(f"{where}: 'data' must be a uint8 array of {CIFAR_ROW}-byte rows, got a {got}")
+    if not (isinstance(y, list) and len(y) == len(x) and all(isinstance(v, int) for v in y)):
+        raise ValueError(f"{where}: '{key}' must be a list of {len(x)} integers, one per row of 'data'")
+    return x, y
+
+
+def _cifar_classes(meta: object, key: str, where: Path) -> tuple[str, ...]:
+    names = meta.get(key) if isinstance(meta, dict) else None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{where} is not a CIFAR meta file: expected a dict whose {key!r} is a list of class names")
+    return tuple(names)
+
+
+def _download_cifar(name: str, root: Path, files: CifarFiles, stock: type) -> None:
+    """Fetch and extract the official archive (md5-checked by torchvision) unless every train and test
+    file is already there with its published md5, as torchvision's own `download` decides."""
+    from torchvision.datasets import cifar as tv_cifar
+
+    folder = root / files.folder
+    if all(_md5_matches(folder / f, md5) for f, md5 in (*files.train, *files.test)):
+        return
+    try:
+        tv_cifar.download_and_extract_archive(stock.url, str(root), filename=stock.filename, md5=stock.tgz_md5)
+    except Exception as exc:  # network, md5 or archive errors: all mean "could not download"
+        names = list(files.published_md5)
+        raise _data_error(name, root, folder, names, f"downloading them failed ({_reason(exc)})", True) from exc
+
+
+def _md5_matches(path: Path, md5: str) -> bool:
+    return path.is_file() and hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest() == md5
 
 
 def _cifar(name: str, torchvision_class: str) -> Callable[[Path, bool], Splits]:
-    """CIFAR-10 and CIFAR-100: pickled python batches under ROOT/cifar-10-batches-py or ROOT/cifar-100-python."""
+    """CIFAR-10 and CIFAR-100: pickled python batches under ROOT/cifar-10-batches-py or ROOT/cifar-100-python,
+    read through the restricted unpickler of fedpipe.data.safe_pickle and compared with the published md5s."""
 
     def load(root: Path, download: bool) -> Splits:
         from torchvision import datasets
 
-        stock = getattr(datasets, torchvision_class)
-        cls = stock if download else _files_only(stock)  # a download is checked against the official md5s
-        folder = root / stock.base_folder
-        files = [f for f, _ in stock.train_list + stock.test_list] + [stock.meta["filename"]]
-
-        def open_split(train: bool):
-            return cls(str(root), train=train, download=download)
-
-        train, test = _open_splits(name, root, folder, files, download, open_split)
-        # torchvision turns the stored CHW rows into HWC; turn them back
-        splits = [_arrays(ds.data.transpose(0, 3, 1, 2), ds.targets) for ds in (train, test)]
-        return splits[0], splits[1], tuple(train.classes)
+        files = CIFAR_FILES[name]
+        folder, published = root / files.folder, files.published_md5
+        if download:  # torchvision only fetches and extracts the archive; fedpipe reads the files
+            _download_cifar(name, root, files, getattr(datasets, torchvision_class))
+        _require(name, root, folder, list(published), download)
+        read, md5s = {}, {}
+        try:
+            for f in published:
+                read[f], md5s[f] = _read_cifar_file(folder / f)
+            splits = []
+            for part in (files.train, files.test):
+                batches = [_cifar_batch(read[f], folder / f) for f, _ in part]
+                x = np.vstack([b[0] for b in batches]).reshape(-1, 3, 32, 32)  # rows are CHW already
+                splits.append(_arrays(x, [label for b in batches for label in b[1]]))
+            classes = _cifar_classes(read[files.meta[0]], files.classes_key, folder / files.meta[0])
+        except DataError:
+            raise  # a refused global: its own message names the file and what it asked for
+        except Exception as exc:  # a truncated file, not a pickle, not a CIFAR batch
+            raise _data_error(name, root, folder, list(published), f"reading them failed ({_reason(exc)})", download) from exc
+        _report_unofficial(name, folder, [f for f, md5 in published.items() if md5s[f] != md5], download)
+        return splits[0], splits[1], classes
 
     return load
+
+
+def _report_unofficial(name: str, folder: Path, unofficial: list[str], download: bool) -> None:
+    """Files whose md5 is not the published one: an error right after a download (the archive is
+    md5-checked, so its files must be the official ones), else a warning. They were read as plain data
+    either way, and the fingerprint names the arrays they hold."""
+    if not unofficial:
+        return
+    listed = ", ".join(unofficial)
+    if download:
+        raise DataError(
+            f"Dataset '{name}': after downloading, {listed} in {folder} still do not have the md5 the CIFAR "
+            f"distribution publishes. Delete {folder} and download again."
+        )
+    log.warning(
+        "dataset '%s': %s in %s are not the official files (their md5 is not the one the CIFAR distribution "
+        "publishes); they were read as plain data only (numpy arrays, lists, strings, numbers), and the run's "
+        "dataset fingerprint names the arrays they hold. Set data.download=true for the official files.",
+        name, listed, folder,
+    )
 
 
 def _load_tinyimagenet(root: Path, download: bool) -> Splits:

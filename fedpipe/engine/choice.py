@@ -18,10 +18,16 @@ run continued on a machine with other cores still computes what it began computi
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from fedpipe.config import MAX_PROCESSES
+
+log = logging.getLogger(__name__)
 
 MIN_SAMPLES_FOR_PROCESSES = 5_000
 
@@ -42,7 +48,19 @@ class EngineChoice:
 
     @classmethod
     def from_json(cls, d: dict, recorded: bool = False) -> EngineChoice:
-        return cls(str(d["clients"]), int(d["processes"]), None if d.get("threads") is None else int(d["threads"]), str(d.get("why", "")), recorded)
+        """A recorded choice (engine.json, read back from the store); ValueError when it is not one a run
+        could have made. Its processes are clamped to the usable cores where they start (`capped`)."""
+        made = cls(str(d["clients"]), int(d["processes"]), None if d.get("threads") is None else int(d["threads"]),
+                   str(d.get("why", ""))[:1000], recorded)
+        if made.clients not in ("batched", "sequential"):
+            raise ValueError(f"clients must be batched or sequential, not {made.clients[:50]!r}")
+        if made.processes < 1 or (made.threads is not None and made.threads < 1):
+            raise ValueError("processes and threads must be at least 1")
+        if made.processes > MAX_PROCESSES:  # the config's bound: the ranks re-validate the config it goes into
+            log.warning("The recorded engine choice asks for %d processes, more than the %d a config may: using %d.",
+                        made.processes, MAX_PROCESSES, MAX_PROCESSES)
+            made = dataclasses.replace(made, processes=MAX_PROCESSES)
+        return made
 
 
 def usable_cores() -> int:
@@ -56,6 +74,21 @@ def usable_cores() -> int:
     except (OSError, ValueError):
         pass
     return max(1, cores)
+
+
+def capped(processes: int, threads: int | None, cores: int | None = None) -> tuple[int, int | None]:
+    """Worker processes and threads per process, clamped to the usable cores (with a warning): more
+    processes than cores only slow a phase down, and a config or a recorded engine.json asking for
+    100,000 would otherwise fork until the machine gives out. Clamping never changes results (the
+    engines agree within float tolerance whatever the number of processes)."""
+    cores = usable_cores() if cores is None else cores
+    if processes > cores:
+        log.warning("%d worker processes asked for, but only %d CPU cores are usable here: running %d.", processes, cores, cores)
+        processes = cores
+    if threads is not None and threads > cores:
+        log.warning("%d CPU threads per process asked for, but only %d cores are usable here: using %d.", threads, cores, cores)
+        threads = cores
+    return processes, threads
 
 
 def clients_mode(requested: str, device_type: str) -> str:

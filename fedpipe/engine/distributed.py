@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fedpipe.algorithms.aggregation import Params, uses_weighted_mean, weighted_sum
+from fedpipe.engine import choice
 from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
 from fedpipe.errors import TrainingError
 
@@ -248,6 +249,7 @@ def run_ranks(lead: Callable[[Group | None], T], recipe: TrainerRecipe, processe
             return _lead(lead, group)
         finally:
             leave()
+    processes, threads = choice.capped(processes, threads)  # never more processes than cores, whoever asked
     if processes == 1:
         return lead(None)
     threads = threads or max(1, (os.cpu_count() or 1) // processes)

@@ -136,11 +136,18 @@ class Checkpoints:
     A round's checkpoint exists while the phase runs; when it is done the final state does and the
     checkpoints are removed. The clients' states that did not fit in `state_memory_mb` are objects
     in the phase's clients folder (see `ClientStates`); one is deleted once no kept checkpoint (or
-    the final state) refers to it.
+    the final state) refers to it and it is no younger than the newest of them (a younger one
+    belongs to a state whose checkpoint is still to be written). A key the layout does not name
+    as a client state is never deleted.
+
+    `guard`, when given, is called before every write (the run's owner check: a writer whose run
+    was taken over stops there instead of overwriting the new owner's checkpoints).
     """
 
-    def __init__(self, store: Store, layout: PhaseKeys, state_memory_mb: float = 1024):
+    def __init__(self, store: Store, layout: PhaseKeys, state_memory_mb: float = 1024,
+                 guard: Callable[[], None] | None = None):
         self.store, self.layout = store, layout
+        self.guard = guard if guard is not None else (lambda: None)
         self.budget_bytes = max(1, int(state_memory_mb * 2**20))
         self._refs: dict[str, set[str]] = {}  # checkpoint key -> the client objects it refers to
 
@@ -195,22 +202,26 @@ class Checkpoints:
             self._refs[key] = found
         return self._refs[key]
 
-    def _collect(self, kept: list[str]) -> None:
-        """Delete this phase's client objects that none of the checkpoints `kept` refers to (objects
-        of earlier phases are theirs to keep)."""
+    def _collect(self, kept: list[str], newest: int) -> None:
+        """Delete this phase's client objects that none of the checkpoints `kept` refers to, produced
+        no later than round `newest` (the newest kept state's round; a later object is part of a
+        state not yet checkpointed). Objects of earlier phases are theirs to keep."""
         needed = set().union(*(self._refs_of(k) for k in kept)) if kept else set()
         for key in self.store.list(self.layout.clients):
-            if key not in needed:
+            named = self.layout.client_state_of(key)
+            if named is not None and key not in needed and named[1] <= newest:
                 self.store.delete(key)
         self._refs = {k: v for k, v in self._refs.items() if k in kept}
 
     def save_round(self, state: PhaseState, keep: int) -> None:
         key = self.layout.round(state.round)
+        self.guard()
         self.store.put(key, state.to_bytes())
         self._refs[key] = _references(state)
         for _, old in self.round_keys()[:-keep]:
             self.store.delete(old)
-        self._collect([k for _, k in self.round_keys()])
+        rounds = self.round_keys()
+        self._collect([k for _, k in rounds], max((r for r, _ in rounds), default=state.round))
 
     def latest_good(self, device: torch.device | str) -> PhaseState | None:
         """The newest checkpoint that reads back intact (and whose client objects all exist); damaged
@@ -231,11 +242,12 @@ class Checkpoints:
         return None
 
     def save_final(self, state: PhaseState) -> None:
+        self.guard()
         self.store.put(self.final_key, state.to_bytes())
         self._refs[self.final_key] = _references(state)
         for _, key in self.round_keys():
             self.store.delete(key)
-        self._collect([self.final_key])
+        self._collect([self.final_key], state.round)
 
     def has_final(self) -> bool:
         return self.store.exists(self.final_key)

@@ -181,6 +181,7 @@ class StorageAccess:
     s3_secret_keys: tuple[str, str] = ("accesskey", "secretkey")
     pushgateway: str = ""
     extra_env: dict = field(default_factory=dict)
+    signing_secret: str = ""  # the artifact signing key's Secret (data key "key"); empty: unsigned
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,8 @@ def env(storage: StorageAccess) -> list[dict]:
         # The root filesystem is read-only: caches (torch, matplotlib, datasets) go under /tmp.
         {"name": "HOME", "value": "/tmp"},
     ]
+    if storage.signing_secret:  # every rank signs and verifies with the key the pipeline's tasks use
+        out.append({"name": "FEDPIPE_SIGNING_KEY", "valueFrom": {"secretKeyRef": {"name": storage.signing_secret, "key": "key"}}})
     return out
 
 

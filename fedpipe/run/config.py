@@ -18,6 +18,8 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 
 from fedpipe.algorithms import MethodConfig
 from fedpipe.config import (
+    MAX_BATCH,
+    MAX_CLIENTS,
     EngineConfig,
     EvalConfig,
     RunSection,
@@ -74,6 +76,17 @@ class RunConfig(Section):
                     data = {**data, key: {tag: default[tag], **section}}
         return data
 
+    @model_validator(mode="after")
+    def _bounded_partition(self):
+        # the partition schemes' own fields (fedpipe/data/partition/) have lower bounds only; the sizes
+        # that scale a partition's work and its manifest are bounded here, where the whole config is known
+        for name, bound in PARTITION_BOUNDS.items():
+            value = getattr(self.partition, name, None)
+            if isinstance(value, int) and value > bound:
+                raise ValueError(f"partition.{name}={value:,} is more than fedpipe's bound of {bound:,} "
+                                 "(far above real use: check for a typo such as an extra zero)")
+        return self
+
     def model_name(self) -> str:
         if self.model.name != "auto":
             return self.model.name
@@ -95,6 +108,19 @@ class RunConfig(Section):
 
 
 DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
+
+#: Upper bounds of the partition schemes' size fields: a million clients is cross-device scale (the
+#: manifest then is hundreds of MB); per-client counts above a million samples, shards or groups
+#: cannot be met by any bundled dataset (all hold under a million training rows).
+PARTITION_BOUNDS = {
+    "num_clients": MAX_CLIENTS,
+    "num_groups": MAX_CLIENTS,
+    "shards_per_client": MAX_BATCH,
+    "samples_per_client": MAX_BATCH,
+    "min_client_size": MAX_BATCH,
+    "classes_per_client": MAX_BATCH,
+    "majority_classes": MAX_BATCH,
+}
 DEFAULT_METHOD = {"name": "superfed_mm"}
 
 

@@ -1,6 +1,7 @@
 """Where a run's artifacts live in the store: every key of a run is spelled here and nowhere else.
 
     <run>/run.json                          the run record (one config per run)
+    <run>/owner.json                        who writes the run now, with a heartbeat (one writer)
     <run>/partition/manifest.json           the partition
     <run>/phases/<phase>/round-00007.pt     a phase's checkpoint after round 7 (while it runs)
     <run>/phases/<phase>/final.pt           a phase's final state
@@ -10,7 +11,11 @@
     <run>/manifest.json                     the run manifest, written last (`fedpipe verify`)
 
 The engine knows only a phase's keys, through the `fedpipe.engine.state.PhaseKeys` protocol that
-`RunLayout.phase` satisfies.
+`RunLayout.phase` satisfies. `RunLayout.owns` says whether a key is one of these: `Run.fresh`
+deletes only those, never a file that merely lies in the run's folder.
+
+Keys are matched whole (anchored), never by a pattern found somewhere inside a key:
+``phases/p/old-round-00003.pt`` is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,8 +23,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_ROUND = re.compile(r"round-(\d+)\.pt$")
-_CLIENT = re.compile(r"c(\d+)-r(\d+)-([0-9a-f]{16})\.pt$")
+_ROUND = re.compile(r"round-(\d+)\.pt")  # fullmatch of the part after the phase's folder
+# a client state of any phase of any run: "<run>/phases/<phase>/clients/c00012-r00007-<16 hex>.pt", whole
+_CLIENT = re.compile(r".+/phases/[^/]+/clients/c(\d+)-r(\d+)-([0-9a-f]{16})\.pt")
+# the keys of a run's folder that fedpipe writes, relative to it (`RunLayout.owns`)
+_RUN_FILES = ("run.json", "owner.json", "manifest.json", "partition/manifest.json")
+_OWN_KEY = re.compile(
+    r"phases/[^/]+/(?:final\.pt|engine\.json|round-\d+\.pt|clients/c\d+-r\d+-[0-9a-f]{16}\.pt)"
+    r"|report/[^/]+\.(?:png|csv|json|jsonl|md|html)"
+)
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,8 @@ class PhaseLayout:
         return f"{self.folder}round-{round_:05d}.pt"
 
     def round_of(self, key: str) -> int | None:
-        m = _ROUND.search(key)
+        """The round of this phase's checkpoint `key`; None for any other key."""
+        m = _ROUND.fullmatch(key[len(self.folder):]) if key.startswith(self.folder) else None
         return int(m.group(1)) if m else None
 
     @property
@@ -54,7 +67,7 @@ class PhaseLayout:
     @staticmethod
     def client_state_of(key: str) -> tuple[int, int, str] | None:
         """(client, round, digest) named by a client-state key of any phase; None for another key."""
-        m = _CLIENT.search(key) if isinstance(key, str) else None
+        m = _CLIENT.fullmatch(key) if isinstance(key, str) else None
         return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
@@ -71,6 +84,18 @@ class RunLayout:
     @property
     def run_record(self) -> str:
         return f"{self.run_id}/run.json"
+
+    @property
+    def owner(self) -> str:
+        """Who writes the run now (`fedpipe.run.record.RunOwner`)."""
+        return f"{self.run_id}/owner.json"
+
+    def owns(self, key: str) -> bool:
+        """True when `key` is one fedpipe writes for this run (a key this module names)."""
+        if not key.startswith(self.folder):
+            return False
+        rest = key[len(self.folder):]
+        return rest in _RUN_FILES or _OWN_KEY.fullmatch(rest) is not None
 
     @property
     def partition_manifest(self) -> str:

@@ -8,6 +8,7 @@ import csv
 import html
 import io
 import json
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -156,8 +157,39 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
+# --- Markdown and HTML from values that may come from a file ---------------------------------------------
+# The comparison table is rendered as Markdown by the Kubeflow UI (and Markdown passes HTML through)
+# from summary.json objects read back from the store: anything in them (a method name, a title) is
+# text, never markup. Each cell is HTML-escaped (so <script> or <img onerror=...> shows as text),
+# Markdown's own syntax is backslash-escaped, and a line break or a pipe cannot end a cell or a row.
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+!|~-])")
+
+
+def md_text(value: object, limit: int = 200) -> str:
+    """`value` as inert Markdown text on one line: HTML-escaped, Markdown syntax escaped, at most
+    `limit` characters of the original."""
+    text = " ".join(str(value).split())  # newlines, tabs and carriage returns become single spaces
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return _MARKDOWN_SPECIALS.sub(r"\\\1", html.escape(text, quote=False))  # no tag can form, so quotes are inert
+
+
+def _number(value: object, fmt: str, scale: float = 1.0, suffix: str = "") -> str:
+    """A number formatted for a table, or the escaped text of whatever else the summary holds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "n/a" if value is None else md_text(value, 50)
+    return f"{scale * value:{fmt}}{suffix}"
+
+
+def _fence(lines: list[str]) -> str:
+    """A code fence longer than any run of backticks in `lines`, so no line can close it."""
+    longest = max((len(run) for line in lines for run in re.findall(r"`+", line)), default=0)
+    return "`" * max(3, longest + 1)
+
+
 def markdown(summary: dict, pers: PersonalizedResult, extra_plots: list[str] = ()) -> str:
-    lines = [f"# {summary['title']}", "", "```", *summary_lines(summary), "```", ""]
+    body = summary_lines(summary)
+    fence = _fence(body)
+    lines = [f"# {md_text(summary['title'], 500)}", "", fence, *body, fence, ""]
     lines += ["![accuracy per round](accuracy.png)", ""]
     if pers.candidate_label and len(pers.clients[0].candidates) > 1:
         lines += [f"![{pers.candidate_label} curve]({pers.candidate_label}_curve.png)", ""]
@@ -183,10 +215,13 @@ def comparison_table(summaries: list[dict]) -> str:
         "| method | personalized acc. (mean ± std over clients) | global top-1 | global top-5 | ECE | loss | MB up |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for s in sorted(summaries, key=lambda s: s["method"]):
+    for s in sorted(summaries, key=lambda s: str(s["method"])):
         p, g = s["personalized_accuracy"], s["global_model"]
-        glob = ["n/a"] * 4 if g is None else [_pct(g["top1"]), _pct(g["top5"]), f"{g['ece']:.3f}", f"{g['loss']:.3f}"]
-        lines.append(f"| {s['method']} | {_pct(p['mean'])} ± {_pct(p['std'])} | " + " | ".join(glob) + f" | {s['communication']['bytes_uploaded'] / 1e6:.1f} |")
+        pct = lambda x: _number(x, ".2f", 100, "%")  # noqa: E731
+        glob = ["n/a"] * 4 if g is None else [pct(g["top1"]), pct(g["top5"]), _number(g["ece"], ".3f"), _number(g["loss"], ".3f")]
+        up = _number(s["communication"]["bytes_uploaded"], ".1f", 1e-6)
+        lines.append(f"| {md_text(s['method'])} | {pct(p['mean'])} ± {pct(p['std'])} | " + " | ".join(glob) + f" | {up} |")
     first = summaries[0] if summaries else {}
-    head = f"{first.get('dataset', '?')}, {first.get('partition', '?')} split, {first.get('num_clients', '?')} clients, seed {first.get('seed', '?')}"
-    return head + "\n\n" + "\n".join(lines)
+    head = ", ".join(md_text(first.get(k, "?"), 100) + tail for k, tail in
+                     (("dataset", ""), ("partition", " split"), ("num_clients", " clients")))
+    return f"{head}, seed {md_text(first.get('seed', '?'), 30)}" + "\n\n" + "\n".join(lines)

@@ -26,7 +26,7 @@ from fedpipe.engine.devices import resolve_device
 from fedpipe.engine.distributed import DistributedRound, TrainerRecipe
 from fedpipe.engine.rounds import run_phase
 from fedpipe.engine.state import Checkpoints, PhaseState
-from fedpipe.errors import ConfigError, CorruptArtifactError
+from fedpipe.errors import ConfigError, CorruptArtifactError, StoreError
 from fedpipe.nn.networks import build_model
 from fedpipe.run import callbacks, inputs, record
 from fedpipe.run.config import RunConfig
@@ -44,12 +44,13 @@ log = logging.getLogger(__name__)
 
 
 class Run:
-    """A configured run bound to its store: the dataset, model and algorithm are built on demand."""
+    """A configured run bound to its store (its one writer while a step writes: `with self.owner:`); the dataset, model and algorithm are built on demand."""
 
-    def __init__(self, cfg: RunConfig, store: Store | None = None):
+    def __init__(self, cfg: RunConfig, store: Store | None = None, *, take_over: bool = False, owner: str | None = None):
         self.cfg = cfg
         self.store = store if store is not None else open_store(cfg.run.store)
         self.layout = RunLayout(cfg.run_id())
+        self.owner = record.RunOwner(self.store, self.layout, owner, take_over=take_over)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self._bundle: DatasetBundle | None = None
@@ -87,7 +88,8 @@ class Run:
         return ClientTrainer(algorithm, phase, data, self.cfg.train, self.cfg.engine, self.cfg.run.seed)
 
     def checkpoints(self, phase: str) -> Checkpoints:
-        return Checkpoints(self.store, self.layout.phase(phase), self.cfg.engine.state_memory_mb)
+        guard = self.owner.beat if self.owner.held else None  # a writer taken over stops before its next checkpoint
+        return Checkpoints(self.store, self.layout.phase(phase), self.cfg.engine.state_memory_mb, guard)
 
     def check_record(self, *, create: bool) -> None:
         """The run folder belongs to one configuration; refuse to mix another into it."""
@@ -97,9 +99,8 @@ class Run:
         return inputs.load_partition(self.store, self.layout, self.cfg, self.bundle)
 
     def fresh(self) -> None:
-        """Delete everything the run has written."""
-        for key in self.store.list(self.layout.folder):
-            self.store.delete(key)
+        """Delete what fedpipe wrote for this run, and only that (`delete_run`)."""
+        delete_run(self)
 
     def preflight(self) -> None:
         """Check what can be checked before anything is written: the data, the split, the model,
@@ -113,17 +114,18 @@ class Run:
     def partition(self) -> Partition:
         """Split the dataset over clients; write the manifest and the label heatmap."""
         partition = make_partition(self.bundle, self.cfg.partition, self.cfg.run.seed)  # may raise: nothing written yet
-        if self.store.exists(self.layout.partition_manifest):
-            self.check_record(create=False)
-            log.info("Partition of run %s already exists; reusing it.", self.layout.run_id)
-            return self.load_partition()
-        self.check_record(create=True)
-        from fedpipe.plots import partition_heatmap
+        with self.owner:  # the run's one writer (`record.RunOwner`): a second one stops here, naming the owner
+            if self.store.exists(self.layout.partition_manifest):
+                self.check_record(create=False)
+                log.info("Partition of run %s already exists; reusing it.", self.layout.run_id)
+                return self.load_partition()
+            self.check_record(create=True)
+            from fedpipe.plots import partition_heatmap
 
-        self.store.put_text(self.layout.partition_manifest, json.dumps(partition.to_manifest()))
-        title = f"{self.cfg.data.dataset}: {self.cfg.partition.scheme} split"
-        self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title))
-        return partition
+            self.store.put_text(self.layout.partition_manifest, json.dumps(partition.to_manifest()))
+            title = f"{self.cfg.data.dataset}: {self.cfg.partition.scheme} split"
+            self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title))
+            return partition
 
     # --- step 2: one training phase ---------------------------------------------------------------
     def train(self, phase_name: str, telemetry_sinks: list | None = None) -> PhaseState | None:
@@ -137,6 +139,7 @@ class Run:
         run = self if choice is None else Run(self.cfg.model_copy(update={"engine": self.cfg.engine.model_copy(
             update={"clients": choice.clients, "processes": choice.processes})}), self.store)
         run._bundle = self._bundle
+        run.owner = self.owner  # one claim: the copy's step must not release a claim this Run holds
         run.unrecorded_choice = choice if choice is not None and not choice.recorded else None
         spec = json.dumps({"config": run.cfg.model_dump(mode="json"), "phase": phase_name})
         recipe = TrainerRecipe("fedpipe.run.run:rank_trainer", spec)
@@ -164,8 +167,10 @@ class Run:
         state = self.checkpoints(phases[-1].name).load_final(self.device)
         algorithm, _ = self.build_algorithm()
         data = prepare_data(self.bundle, self.load_partition(), self.device)
-        summary = write_report(self.cfg, self.store, self.layout, algorithm, state, data, phases, self._put_plot)
-        # last: a run manifest exists only for a finished run (`fedpipe verify` checks against it)
+        with self.owner:
+            summary = write_report(self.cfg, self.store, self.layout, algorithm, state, data, phases, self._put_plot)
+        # last: a run manifest exists only for a finished run (`fedpipe verify` checks against it); after
+        # the claim's release, so the manifest does not list the owner record (which then disappears)
         write_run_manifest(self.store, self.layout.run_id)
         self.delete_pushed_metrics()
         return summary
@@ -190,6 +195,32 @@ class Run:
         return put_plot(self.store, self.layout, name, draw)
 
 
+def delete_run(run: Run) -> None:
+    """Delete what fedpipe wrote for this run, and only that: the prefix must hold a fedpipe run
+    record for this run id (else nothing is deleted), and only keys the run's layout names are
+    deleted (`RunLayout.owns`); anything else there is left and named in one warning. The run
+    manifest is no proof of ownership: it lists whatever lay in the folder when the run finished."""
+    keys = run.store.list(run.layout.folder)
+    if not keys:
+        return
+    problem = record.fedpipe_record_problem(run.store, run.layout)
+    if problem is not None:
+        raise StoreError(
+            f"Refusing --fresh: {run.store.url(run.layout.run_id)} holds {len(keys)} file(s) but {problem}, so "
+            "they are not a fedpipe run's and nothing was deleted. Check run.store and run.id (a fedpipe run "
+            "folder starts with run.json), or give this config another run.id."
+        )
+    with run.owner:
+        ours = [k for k in keys if run.layout.owns(k) and k not in (run.layout.run_record, run.layout.owner)]
+        for key in ours:
+            run.store.delete(key)
+        run.store.delete(run.layout.run_record)  # last: an interrupted --fresh can be repeated
+    foreign = [k for k in keys if not run.layout.owns(k)]
+    if foreign:
+        log.warning("--fresh left %d file(s) in %s that fedpipe did not write: %s", len(foreign),
+                    run.store.url(run.layout.run_id), ", ".join(foreign))
+
+
 def _phase_and_start(run: Run, phase_name: str) -> tuple[Phase, str | None]:
     """The phase named, and the phase before it (whose final state it starts from), if any."""
     phases = run.phases()
@@ -205,6 +236,13 @@ def train_phase(run: Run, phase_name: str, telemetry_sinks: list | None, group: 
     the partition, run the rounds with evaluation, telemetry and checkpoints around them."""
     phase, previous = _phase_and_start(run, phase_name)
     run.check_record(create=False)
+    with run.owner:
+        return _train_owned(run, phase, previous, telemetry_sinks, group)
+
+
+def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: list | None,
+                 group: distributed.Group | None) -> PhaseState:
+    """`train_phase` once the run's single-writer claim is held."""
     ckpt = run.checkpoints(phase.name)
     device = group.device if group is not None else run.device
     if ckpt.has_final():

@@ -16,9 +16,11 @@ from datetime import UTC, datetime
 
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.run.layout import RunLayout
+from fedpipe.safe_load import read_store_json
 from fedpipe.store.base import Store, sha256_hex
 
 FORMAT = "fedpipe.run-manifest"
+MANIFEST_LIMIT = 256 * 2**20  # one line per artifact: 256 MiB is millions of them
 
 
 def write_run_manifest(store: Store, run_id: str) -> dict:
@@ -65,7 +67,8 @@ def _read_manifest(store: Store, run_id: str) -> dict:
             "`--store` and the run id, or finish the run with `fedpipe evaluate`."
         )
     try:
-        manifest = json.loads(store.get_text(key))
+        manifest = read_store_json(store, key, "run manifest", MANIFEST_LIMIT, CorruptArtifactError,
+                                   "Rewrite it by running `fedpipe evaluate` on the run again.")
         artifacts = manifest["artifacts"]
         if manifest.get("format") != FORMAT or not isinstance(artifacts, dict):
             raise ValueError("not a fedpipe run manifest")
@@ -89,6 +92,10 @@ def verify_run(store: Store, run_id: str) -> Verification:
     for key, entry in sorted(manifest["artifacts"].items()):
         if not store.exists(key):
             result.missing.append(key)
+            continue
+        size = store.size(key)
+        if size is not None and size > entry["size"]:  # never fetch more than was written
+            result.damaged[key] = f"its size is {size} bytes, more than the {entry['size']} the manifest has"
             continue
         try:
             data = store.get(key)

@@ -8,6 +8,11 @@
   decides TLS), ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and optionally ``AWS_REGION``.
 
 Keys are relative ``/``-separated paths; `validate_key` is the one check both stores apply.
+
+Signed artifacts (opt-in, `fedpipe.store.signed`): while ``FEDPIPE_SIGNING_KEY`` (or
+``FEDPIPE_SIGNING_KEY_FILE``, a mounted Secret) is set, every store `open_store` opens is a
+`SignedStore` around the plain one: each object carries an HMAC-SHA256 of its key and bytes, checked
+on every read, so an object rewritten together with its sha256 by someone without the key is refused.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from fedpipe.errors import StoreError
 from fedpipe.store.base import Store, sha256_hex, validate_key, validate_prefix
 from fedpipe.store.folder import LocalStore
 from fedpipe.store.s3 import S3Store
+from fedpipe.store.signed import SignedStore, signing_from_env
 
 __all__ = [
     "LocalStore",
     "S3Store",
+    "SignedStore",
     "Store",
     "open_store",
     "sha256_hex",
@@ -31,7 +38,13 @@ __all__ = [
 
 
 def open_store(url: str) -> Store:
-    """Open the store that `url` names: a path or ``file://`` URL, or ``s3://bucket/prefix``."""
+    """Open the store that `url` names: a path or ``file://`` URL, or ``s3://bucket/prefix``; signed when
+    ``FEDPIPE_SIGNING_KEY`` / ``FEDPIPE_SIGNING_KEY_FILE`` is set (a bad key is a ConfigError)."""
+    sign = signing_from_env()
+    return sign(_open_plain(url))
+
+
+def _open_plain(url: str) -> Store:
     if not isinstance(url, str) or not url.strip():
         raise StoreError("No artifact store given: pass a folder path, a file:// URL or s3://bucket/prefix.")
     url = url.strip()

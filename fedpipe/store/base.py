@@ -50,6 +50,31 @@ class Store(ABC):
     def url(self, key: str = "") -> str:
         """Where `key` lives, for messages: a local path or an s3:// URL."""
 
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `data` under `key` only if no object is there, atomically with respect to every other
+        writer (S3 ``If-None-Match: *``; a locked check in a folder); True when this call wrote it.
+        A run's owner record and its run record are created this way, so two writers cannot both win.
+
+        This fallback (check, then put) is NOT atomic: `LocalStore` and `S3Store` override it, and a
+        store that wraps another (signing, caching) must forward to the inner store's."""
+        if self.exists(key):
+            return False
+        self.put(key, data)
+        return True
+
+    def replace_if(self, key: str, data: bytes, expected_sha256: str) -> bool:
+        """Replace the object under `key` with `data` only if `get(key)` would now return bytes with
+        the sha256 `expected_sha256` (compare-and-swap; S3 ``If-Match: <etag>``); True when this call
+        wrote it. The fallback here (read, compare, put) is NOT atomic; see `create`."""
+        try:
+            current = self.get(key)
+        except StoreError:
+            return False
+        if sha256_hex(current) != expected_sha256:
+            return False
+        self.put(key, data)
+        return True
+
     def put_text(self, key: str, text: str) -> str:
         return self.put(key, text.encode("utf-8"))
 

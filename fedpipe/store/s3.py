@@ -290,6 +290,34 @@ class _Bucket:
     def put(self, name: str, data: bytes, digest: str) -> None:
         self.client.put_object(self.bucket, name, io.BytesIO(data), len(data), metadata={META_SHA256: digest})
 
+    def put_if(self, name: str, data: bytes, digest: str, condition: dict[str, str]) -> bool:
+        """A PUT with a precondition header (``If-None-Match: *`` or ``If-Match: "<etag>"``); False
+        when the server refuses it for the precondition. AWS S3 (since 2024), MinIO and SeaweedFS
+        document both on PutObject: 412 PreconditionFailed when the condition does not hold, and AWS
+        409 ConditionalRequestConflict when a concurrent conditional write won. minio-py's
+        `put_object` turns unknown headers into x-amz-meta-* metadata, so its `_put_object` (the
+        single PutObject request, which sends headers as given) carries the condition; moto's server
+        (5.2) honours both headers (tests/test_single_writer.py races it)."""
+        headers = {"Content-Type": "application/octet-stream", _HEADER_SHA256: digest, **condition}
+        try:
+            self.client._put_object(self.bucket, name, data, headers=headers)
+        except S3Error as exc:
+            if exc.code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
+    def etag_and_sha256(self, name: str) -> tuple[str, str | None] | None:
+        """The object's ETag and recorded sha256; None when there is no object."""
+        try:
+            st = self.client.stat_object(self.bucket, name)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound"):
+                return None
+            raise
+        meta = {k.lower(): v for k, v in (st.metadata or {}).items()}
+        return st.etag or "", meta.get(_HEADER_SHA256)
+
     def read(self, name: str, where: str) -> tuple[bytes, str | None]:
         """The object's bytes and the sha256 recorded with it (None when there is none)."""
         try:
@@ -476,6 +504,21 @@ class S3Store(Store):
         self._ensure_bucket()
         self._call(f"writing {self.url(key)}", lambda: self._bucket.put(name, data, digest))
         return digest
+
+    def create(self, key: str, data: bytes) -> bool:
+        # A retried request whose first attempt did land answers 412 too: the caller then finds its
+        # own bytes under `key` (a run's owner record names its owner), so no winner goes unnoticed.
+        name, data = self._name(key), bytes(data)
+        self._ensure_bucket()
+        return self._call(f"creating {self.url(key)}", lambda: self._bucket.put_if(name, data, sha256_hex(data), {"If-None-Match": "*"}))
+
+    def replace_if(self, key: str, data: bytes, expected_sha256: str) -> bool:
+        name, data = self._name(key), bytes(data)
+        found = self._call(f"checking {self.url(key)}", lambda: self._bucket.etag_and_sha256(name))
+        if found is None or (found[1] or "").strip().lower() != expected_sha256:
+            return False
+        condition = {"If-Match": f'"{found[0]}"'}  # the ETag read with the sha256: nobody wrote in between
+        return self._call(f"replacing {self.url(key)}", lambda: self._bucket.put_if(name, data, sha256_hex(data), condition))
 
     def get(self, key: str) -> bytes:
         name = self._name(key)

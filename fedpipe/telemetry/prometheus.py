@@ -59,6 +59,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, delete_from_gateway, push_to_gateway
 
+from fedpipe.config import refuse_url_credentials
+from fedpipe.errors import ConfigError
 from fedpipe.telemetry.events import PhaseEvent, RoundEvent, RunLabels
 
 __all__ = ["ENV_PUSHGATEWAY", "METRICS", "PrometheusSink", "delete_run_groups", "run_groups"]
@@ -307,14 +309,14 @@ def delete_run_groups(
     The wait lets Prometheus scrape the final values before they go. The groups are read again after
     it, so a group pushed meanwhile is waited for too (at most three waits); a push time ahead of this
     machine's clock makes it wait `retention_seconds`, never longer. Logs one line naming what was
-    deleted. Returns the deleted groups' grouping keys (without ``job``); None when the Pushgateway
-    could not be read or a deletion failed: then it logs ONE warning and never raises, so a finished
-    run is never failed by its metrics.
+    deleted. Returns the deleted groups' grouping keys (without ``job``); None when the Pushgateway could
+    not be read or a deletion failed: then it logs ONE warning and never raises (a run never fails on metrics).
     """
-    url = _normalized(gateway_url)
+    url = "the Pushgateway"  # named in the warning once it is known to hold no credentials
     deleted: list[dict[str, str]] = []
     waited_for: float | None = None  # the newest push time already waited for
     try:
+        url = _normalized(gateway_url)
         for attempt in range(4):
             groups = run_groups(url, run_id, job=job, timeout=timeout)
             if not groups:
@@ -354,7 +356,14 @@ def delete_run_groups(
 
 
 def _normalized(gateway_url: str) -> str:
+    """The URL with a scheme; ConfigError when it holds credentials (it is logged in every warning)."""
     url = str(gateway_url).strip().rstrip("/")
+    try:
+        refuse_url_credentials(url, f"The Pushgateway URL (telemetry.pushgateway or env {ENV_PUSHGATEWAY})",
+                               "a Pushgateway that needs authentication is reached through a proxy or a service mesh "
+                               "(an Istio sidecar) that adds it, never through the URL.")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return url if "://" in url else "http://" + url
 
 

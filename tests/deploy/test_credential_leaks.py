@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import re
 
+import pytest
 import yaml
 from deploytools import CHART, MANIFESTS, NAMESPACE, RELEASE, only, pod_specs, run_tool, sample_pytorchjob
 
@@ -85,3 +86,41 @@ def test_pytorchjob_has_no_credentials(render_chart, monkeypatch):
         refs = [e for c in _all_containers(job) for e in c["env"] if e["name"].startswith("AWS_")]
         assert refs and all(e["valueFrom"]["secretKeyRef"]["name"] == "mlpipeline-minio-artifact" for e in refs)
     assert_no_credentials(render_chart("--set", "pytorchJob.enabled=true", "--set", "pytorchJob.phase=federation"), "the chart")
+
+
+# --- the compiled pipeline (`fedpipe compile`): the YAML is uploaded to Kubeflow and readable there ----
+KFP_TOKEN = "LEAKCHECK-KFP-TOKEN-0b7d42"
+PUSHGATEWAY_PASSWORD = "LEAKCHECK-PGW-PASSWORD-5e21"
+
+
+def _compile(tmp_path, *args: str, env: dict | None = None):
+    from typer.testing import CliRunner
+
+    from fedpipe.cli import app
+
+    out = tmp_path / "pipeline.yaml"
+    result = CliRunner().invoke(app, ["compile", "--out", str(out), *args], env=env)
+    return result, (out.read_text() if out.exists() else "")
+
+
+def test_compiled_pipeline_holds_no_credentials_from_the_environment(tmp_path):
+    env = {"FEDPIPE_KFP_TOKEN": KFP_TOKEN, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+    result, text = _compile(tmp_path, env=env)
+    assert result.exit_code == 0, result.output
+    for secret in (KFP_TOKEN, ACCESS_KEY, SECRET_KEY):
+        assert secret not in text and secret not in result.output
+    for pattern in CREDENTIAL_PATTERNS:
+        assert not re.search(pattern, text), f"the compiled pipeline contains {pattern}"
+
+
+def test_a_pushgateway_password_in_the_config_never_reaches_the_pipeline(tmp_path):
+    result, text = _compile(tmp_path, "--set", f"telemetry.pushgateway=http://admin:{PUSHGATEWAY_PASSWORD}@pgw:9091")
+    assert result.exit_code == 2 and "telemetry.pushgateway" in result.output
+    assert PUSHGATEWAY_PASSWORD not in result.output and PUSHGATEWAY_PASSWORD not in text
+
+
+@pytest.mark.parametrize("flag", ["--pushgateway", "--s3-endpoint"])
+def test_a_password_on_a_deploy_flag_never_reaches_the_pipeline(tmp_path, flag):
+    result, text = _compile(tmp_path, flag, f"http://admin:{PUSHGATEWAY_PASSWORD}@pgw:9091")
+    assert result.exit_code != 0 and flag in result.output
+    assert PUSHGATEWAY_PASSWORD not in text and PUSHGATEWAY_PASSWORD not in result.output

@@ -150,3 +150,17 @@ def test_wrong_credentials_message_has_no_secret(s3_env: str, monkeypatch: pytes
     s = open_store(f"s3://{new_bucket()}")
     s.put("k", b"v")
     assert "another-SECRET-value" not in repr(s)
+
+
+def test_conditional_writes_are_preconditions_the_server_enforces(store: S3Store, raw_client: Minio):
+    """`create` sends If-None-Match: *, `replace_if` If-Match: <etag> (what AWS S3, MinIO and SeaweedFS
+    document for PutObject); moto's server answers 412 PreconditionFailed for both, as they do."""
+    assert store.create("run-1/owner.json", b"first") is True
+    assert store.create("run-1/owner.json", b"second") is False
+    assert store.get("run-1/owner.json") == b"first"
+    stat = raw_client.stat_object(store.bucket, "exp-1/run-1/owner.json")
+    assert stat.metadata["x-amz-meta-sha256"] == hashlib.sha256(b"first").hexdigest()  # the hash travels too
+    assert store.replace_if("run-1/owner.json", b"third", "0" * 64) is False
+    assert store.replace_if("run-1/owner.json", b"third", hashlib.sha256(b"first").hexdigest()) is True
+    assert store.get("run-1/owner.json") == b"third"
+    assert store.replace_if("run-1/absent.json", b"x", hashlib.sha256(b"").hexdigest()) is False

@@ -84,6 +84,15 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 {{- end }}
 
+{{/* Secret with the artifact signing key (data key "key"): the one the chart creates, or the existing one. */}}
+{{- define "fedpipe.signingSecretName" -}}
+{{- if .Values.signing.createSecret }}
+{{- printf "%s-signing" (include "fedpipe.fullname" .) }}
+{{- else }}
+{{- required "signing.existingSecret is required when signing.enabled is true and signing.createSecret is false" .Values.signing.existingSecret }}
+{{- end }}
+{{- end }}
+
 {{/* In-cluster URL of the chart's Pushgateway. */}}
 {{- define "fedpipe.pushgatewayUrl" -}}
 {{- printf "http://%s-pushgateway.%s:%d" (include "fedpipe.fullname" .) .Release.Namespace (int .Values.pushgateway.port) }}
@@ -143,6 +152,10 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 {{- with include "fedpipe.pushgatewayTarget" . }}
 {{- $args = append $args (printf "--pushgateway=%s" .) }}
+{{- end }}
+{{- if .Values.signing.enabled }}
+{{- /* The name of the signing-key Secret only; the tasks read the key from it as FEDPIPE_SIGNING_KEY. */}}
+{{- $args = append $args (printf "--signing-secret=%s" (include "fedpipe.signingSecretName" .)) }}
 {{- end }}
 {{- toYaml $args }}
 {{- end }}
