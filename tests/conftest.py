@@ -73,6 +73,16 @@ def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return s3_server
 
 
+@pytest.fixture
+def raw_client(s3_env: str, s3_credentials: tuple[str, str]):
+    """The plain minio client on the same S3 server: a bucket writer behind the store's back (no fedpipe
+    hashes, no signing key), to tamper with objects."""
+    from minio import Minio
+
+    return Minio(s3_env.removeprefix("http://"), access_key=s3_credentials[0], secret_key=s3_credentials[1],
+                 secure=False, region="us-east-1")
+
+
 @pytest.fixture(scope="session")
 def pushgateway(services_dir: Path) -> Iterator[str]:
     """A real Prometheus Pushgateway on loopback; yields its URL."""

@@ -304,20 +304,6 @@ def test_a_signed_run_verifies_and_holds_no_key(tmp_path: Path, signing):
 
 
 @pytest.fixture
-def raw_client(s3_env: str, s3_credentials: tuple[str, str]):
-    """The plain minio client on the same server: the bucket writer without the signing key."""
-    from minio import Minio
-
-    return Minio(
-        s3_env.removeprefix("http://"),
-        access_key=s3_credentials[0],
-        secret_key=s3_credentials[1],
-        secure=False,
-        region="us-east-1",
-    )
-
-
-@pytest.fixture
 def s3_url(s3_env: str) -> str:
     return f"s3://fedpipe-signed-{uuid.uuid4().hex[:12]}/exp-1"
 

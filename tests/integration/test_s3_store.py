@@ -23,18 +23,6 @@ def new_bucket() -> str:
 
 
 @pytest.fixture
-def raw_client(s3_env: str, s3_credentials: tuple[str, str]) -> Minio:
-    """The plain minio client on the same server, to tamper with objects behind the store's back."""
-    return Minio(
-        s3_env.removeprefix("http://"),
-        access_key=s3_credentials[0],
-        secret_key=s3_credentials[1],
-        secure=False,
-        region="us-east-1",
-    )
-
-
-@pytest.fixture
 def store(s3_env: str) -> S3Store:
     s = open_store(f"s3://{new_bucket()}/exp-1/")
     assert isinstance(s, S3Store)
