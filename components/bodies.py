@@ -171,8 +171,7 @@ def _prepare(config_path: str, manifest_path: str | None = None) -> Run:
     # task, is the same owner. KFP gives a task no job id in its env (only KFP_POD_NAME / KFP_POD_UID:
     # backend/src/v2/compiler/argocompiler/common.go), but the config task puts it into the run id
     # (`<config id>-<job id>`); with a run.id pinned by hand, jobs of that id share the owner.
-    os.environ.setdefault("FEDPIPE_OWNER", f"kfp-pipeline-run:{cfg.run_id()}")
-    run = Run(cfg)
+    run = Run(cfg, owner=os.environ.get("FEDPIPE_OWNER") or f"kfp-pipeline-run:{cfg.run_id()}")
     if manifest_path is not None:
         run.check_record(create=True)
         _bring_in(run, run.layout.partition_manifest, manifest_path)

@@ -166,12 +166,19 @@ def check_race(url: str) -> None:
     assert store.list("") == ["race/owner.json", "race/shared.bin"]
 
 
-def test_two_writers_race_on_a_folder_store(tmp_path: Path):
+@pytest.fixture
+def own_tokens(monkeypatch):
+    """Each racer is its own writer: no owner token from the environment (FEDPIPE_OWNER, KFP_RUN_ID)."""
+    monkeypatch.delenv("FEDPIPE_OWNER", raising=False)
+    monkeypatch.delenv("KFP_RUN_ID", raising=False)
+
+
+def test_two_writers_race_on_a_folder_store(tmp_path: Path, own_tokens):
     check_race(str(tmp_path / "store"))
 
 
 @pytest.mark.services
-def test_two_writers_race_on_the_s3_server(s3_env: str):
+def test_two_writers_race_on_the_s3_server(s3_env: str, own_tokens):
     check_race(f"s3://fedpipe-race-{uuid.uuid4().hex[:12]}/prefix")
 
 
