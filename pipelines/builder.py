@@ -237,8 +237,9 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _storage(task, options: DeployOptions, secret) -> None:
-    """Every task reads and writes the run's store: the endpoint as env, the credentials from the Secret.
+def _storage(task, options: DeployOptions) -> None:
+    """Every task reads and writes the run's store: the endpoint as env, the credentials from the Secret
+    named at compile time (a run parameter would let a UI user point a run at any Secret of the namespace).
     (The Pushgateway is a run parameter, telemetry_pushgateway, that reaches the tasks in the config.)
     Every task pod carries POD_LABEL, which the chart's NetworkPolicy selects."""
     task.set_env_variable("FEDPIPE_S3_ENDPOINT", options.s3_endpoint)
@@ -246,7 +247,7 @@ def _storage(task, options: DeployOptions, secret) -> None:
     for name, value in options.extra_env.items():
         task.set_env_variable(name, value)
     access, secret_key = options.s3_secret_keys
-    kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env={access: "AWS_ACCESS_KEY_ID", secret_key: "AWS_SECRET_ACCESS_KEY"})
+    kubernetes.use_secret_as_env(task, secret_name=options.s3_secret, secret_key_to_env={access: "AWS_ACCESS_KEY_ID", secret_key: "AWS_SECRET_ACCESS_KEY"})
     if options.signing_secret:
         kubernetes.use_secret_as_env(task, secret_name=options.signing_secret, secret_key_to_env={"key": "FEDPIPE_SIGNING_KEY"})
     # kfp-kubernetes writes SecretAsEnv.optional: false, a field the protos have only since KFP 2.15.0
@@ -266,15 +267,14 @@ def _resolve_task(c: Components, v: dict, fields: dict, method: str):
                             job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, **{_param(k): v[_param(k)] for k in fields})
 
 
-def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None,
-                   secret) -> object:
+def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None) -> object:
     """resolve config -> phase tasks -> evaluate for one method; returns the evaluate task."""
     resolve = _resolve_task(c, v, fields, method or "").set_display_name(f"config {method}" if method else "config")
-    _step(resolve, v, options, secret)
+    _step(resolve, v, options)
     config = resolve.outputs["config"]
     if manifest is None:
         part = c.partition(config=config).set_display_name("partition")
-        _step(part, v, options, secret)
+        _step(part, v, options)
         manifest = part.outputs["manifest"]
     phases = phases_of(cfg.method, cfg.train.rounds)
     distributed = {job.phase: job for job in options.distributed}
@@ -282,7 +282,7 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
     for phase in phases:
         inputs = {"previous": previous} if previous is not None else {}
         if phase.name in distributed:
-            task = _launcher_task(c, v, options, distributed[phase.name], config, manifest, secret, inputs)
+            task = _launcher_task(c, v, options, distributed[phase.name], config, manifest, inputs)
             task.set_display_name(f"{method + ' ' if method else ''}{phase.name} ({distributed[phase.name].kind})")
         else:
             task = c.train_phase(config=config, phase=phase.name, manifest=manifest, requested_accelerators=v["accelerator_count"], **inputs)
@@ -293,22 +293,22 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
             kubernetes.add_node_selector_json(task, v["node_selector"])
             kubernetes.add_toleration_json(task, v["tolerations"])
         task.set_retry(options.retries)
-        _storage(task, options, secret)
+        _storage(task, options)
         previous = task.outputs["state"]
     evaluate = c.evaluate(config=config, manifest=manifest, state=previous).set_display_name(f"evaluate {method}" if method else "evaluate")
-    _step(evaluate, v, options, secret)
+    _step(evaluate, v, options)
     return evaluate
 
 
-def _step(task, v: dict, options: DeployOptions, secret) -> None:
+def _step(task, v: dict, options: DeployOptions) -> None:
     """A task that is not a training phase (config, partition, evaluate, comparison): CPU only, sized by
     the step_* resource parameters."""
     task.set_cpu_request(v["step_cpu_request"]).set_cpu_limit(v["step_cpu_limit"])
     task.set_memory_request(v["step_memory_request"]).set_memory_limit(v["step_memory_limit"])
-    _storage(task, options, secret)
+    _storage(task, options)
 
 
-def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob, config, manifest, secret, inputs: dict):
+def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob, config, manifest, inputs: dict):
     """The task that runs a phase as a PyTorchJob: a small pod of its own (it only talks to the API server
     and copies artifacts); the training resources parameters size each pod of the job instead."""
     storage = {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": list(options.s3_secret_keys), "signing_secret": options.signing_secret,
@@ -316,7 +316,7 @@ def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob
     task = c.launch_phase_job(
         config=config, phase=job.phase, manifest=manifest, job=job.as_dict(), image=options.training_image, storage=storage,
         cpu_request=v["cpu_request"], cpu_limit=v["cpu_limit"], memory_request=v["memory_request"], memory_limit=v["memory_limit"],
-        accelerator_type=v["accelerator_type"], node_selector=v["node_selector"], tolerations=v["tolerations"], s3_secret=secret,
+        accelerator_type=v["accelerator_type"], node_selector=v["node_selector"], tolerations=v["tolerations"], s3_secret=options.s3_secret,
         **inputs,
     )
     task.set_cpu_request(LAUNCHER_RESOURCES["cpu_request"]).set_cpu_limit(LAUNCHER_RESOURCES["cpu_limit"])
@@ -360,8 +360,7 @@ def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) ->
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)
-        secret = options.s3_secret  # fixed at compile time: a run parameter would let a UI user name any Secret
-        _method_branch(c, v, options, cfg, fields, None, None, secret)
+        _method_branch(c, v, options, cfg, fields, None, None)
 
     return _as_pipeline(body, signature, name, f"{cfg.method.name}: {ALGORITHMS[cfg.method.name].paper}. "
                         "Partition, one task per training phase, evaluation.")
@@ -380,18 +379,17 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)
-        secret = options.s3_secret  # fixed at compile time: a run parameter would let a UI user name any Secret
         resolve = _resolve_task(c, v, fields, "").set_display_name("config (shared)")
-        _step(resolve, v, options, secret)
+        _step(resolve, v, options)
         part = c.partition(config=resolve.outputs["config"]).set_display_name("partition (shared)")
-        _step(part, v, options, secret)
+        _step(part, v, options)
         evaluations = [
-            _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m, secret)
+            _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m)
             for m in methods
         ]
         table = c.compare(config=resolve.outputs["config"], **{f"run_id_{m}": e.outputs["Output"] for m, e in zip(methods, evaluations)})
         table.set_display_name("comparison table")
-        _step(table, v, options, secret)
+        _step(table, v, options)
 
     return _as_pipeline(body, signature, name, f"Benchmark of {', '.join(methods)} on one partition, with a comparison table.")
 
