@@ -21,8 +21,9 @@ from pathlib import Path
 import yaml
 
 from fedpipe.config import apply_override
+from fedpipe.data.partition.schemes import SCHEME_CONFIGS
 from fedpipe.errors import ConfigError, CorruptArtifactError
-from fedpipe.run.config import RunConfig, load_config
+from fedpipe.run.config import RunConfig, load_config, with_data_snapshot
 from fedpipe.run.layout import RunLayout
 from fedpipe.run.report import render_html, summary_lines
 from fedpipe.run.run import Run
@@ -49,6 +50,14 @@ def _unset(tree: dict, dotted: str) -> bool:
     return not isinstance(values, dict) or values.get(key) is None
 
 
+def _belongs(tree: dict, dotted: str) -> bool:
+    """False for a compiled partition field that the base config's own scheme does not have (a base with a
+    natural partition, run through a pipeline compiled with a pathological one, keeps its own fields)."""
+    section, _, key = dotted.partition(".")
+    scheme = (tree.get("partition") or {}).get("scheme") if section == "partition" and isinstance(tree.get("partition"), dict) else None
+    return scheme not in SCHEME_CONFIGS or key in SCHEME_CONFIGS[scheme].model_fields
+
+
 def resolve_config(
     base_yaml: str, fields: dict, defaults: dict, overrides: list[str], job_id: str, out_path: str, method: str | None = None
 ) -> RunConfig:
@@ -65,7 +74,7 @@ def resolve_config(
     if method:
         tree["method"] = {"name": method}
     for key, value in fields.items():
-        if _changed(value, defaults.get(key)) or (_unset(tree, key) and value not in (None, "")):
+        if _changed(value, defaults.get(key)) or (_unset(tree, key) and value not in (None, "") and _belongs(tree, key)):
             apply_override(tree, f"{key}={value}")
     name = tree.get("method", {}).get("name")
     for assignment in overrides:
@@ -78,7 +87,8 @@ def resolve_config(
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    cfg = load_config(path)
+    cfg = with_data_snapshot(load_config(path))  # a user's own data: the drop read and its snapshot pinned
+    path.write_text(cfg.to_yaml())
     if cfg.run.id is None:
         cfg = load_config(path, [f"run.id={cfg.run_id()}-{job_id}"])
     path.write_text(cfg.to_yaml())

@@ -48,12 +48,12 @@ def _guarded(fn):
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]], run_id: Optional[str] = None):
-    from fedpipe.run.config import load_config
+    from fedpipe.run.config import load_config, with_data_snapshot
 
     sets = list(overrides or [])
     if run_id:
         sets.append(f"run.id={run_id}")
-    return load_config(config, sets)
+    return with_data_snapshot(load_config(config, sets))
 
 
 def _print_summary(summary: dict) -> None:
@@ -543,6 +543,54 @@ def datasets():
 
     for name, info in DATASETS.items():
         typer.echo(f"{name:<14} {info.num_classes:>3} classes  {'x'.join(map(str, info.input_shape)):<8} {info.description}")
+    typer.echo(f"{'files':<14} {'your':>3} classes  {'any':<8} Your own federated data: images per client, or a Parquet/CSV "
+               "table with a client column, in a folder or s3://bucket/prefix (data.dataset=files, data.source=...). "
+               "Start with `fedpipe data init SOURCE`, then `fedpipe data check SOURCE`.")
+
+
+data_app = typer.Typer(
+    help="Your own federated data (data.dataset=files): images in <source>/<client>/<label>/<image>, or a Parquet "
+         "or CSV table with a client column, in a folder or s3://bucket/prefix. `init` writes the manifest that says "
+         "how the files are laid out; `check` reads them as a run would and lists every problem.",
+    no_args_is_help=True,
+)
+app.add_typer(data_app, name="data")
+SourceArg = Annotated[str, typer.Argument(help="A folder, or s3://bucket/prefix (endpoint and credentials from FEDPIPE_S3_ENDPOINT, "
+                                               "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY); a final /latest means the newest sub-prefix by name.")]
+
+
+@data_app.command("init")
+@_guarded
+def data_init(source: SourceArg,
+              client_column: Annotated[Optional[str], typer.Option(help="Tables: the column naming each row's client (default: a column named client, site, device, user, ...).")] = None,
+              label_column: Annotated[Optional[str], typer.Option(help="Tables: the column holding the label (default: label, target, class, y).")] = None,
+              force: Annotated[bool, typer.Option("--force", help="Replace an existing fedpipe-data.yaml.")] = False):
+    """Look at the files under SOURCE and write its manifest, fedpipe-data.yaml: the layout, the columns and
+    the label names. Read it, edit it if a guess is wrong, then run `fedpipe data check SOURCE`."""
+    from fedpipe.data.files.init import init_manifest, write_manifest
+
+    manifest, where = init_manifest(source, client_column=client_column, label_column=label_column)
+    written = write_manifest(source, manifest, force=force)
+    typer.echo(f"wrote {written}: layout {manifest.source.layout}, {len(manifest.labels)} labels "
+               f"({', '.join(manifest.labels[:10])}{' ...' if len(manifest.labels) > 10 else ''})")
+    typer.echo(f"next: fedpipe data check {source}")
+
+
+@data_app.command("check")
+@_guarded
+def data_check(source: SourceArg,
+               image_size: Annotated[Optional[int], typer.Option(help="Resize images to this side, as data.image_size does.")] = None,
+               min_client_size: Annotated[int, typer.Option(help="Fewest samples a client may have (partition.min_client_size).")] = 10,
+               heatmap: Annotated[Optional[Path], typer.Option(help="Write the clients x labels heatmap of the natural partition here (PNG).")] = None):
+    """Read SOURCE as a run would: clients, samples per client, classes, size on disk, and every problem
+    (unreadable image, unknown label, NaN feature, a client too small, ...) naming its file and row.
+    Exits 2 when a run would stop on an error."""
+    from fedpipe.data.files.check import check_report
+
+    report = check_report(source, image_size, min_client_size, heatmap)
+    typer.echo("\n".join(report.lines))
+    if not report.ok:
+        raise typer.Exit(2)
 
 
 def main() -> None:

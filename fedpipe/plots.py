@@ -92,7 +92,8 @@ def _label_clients(ax, partition: Partition, clients: list, opt_out: np.ndarray,
     k = len(clients)
     if k <= _TICK_EVERY_ROW_MAX:
         ax.set_yticks(np.arange(k))
-        ax.set_yticklabels([str(cl.id) for cl in partition.clients], fontsize=7 if k > 20 else 9)
+        names = partition.client_names  # a natural partition's clients by their names (a site, a device)
+        ax.set_yticklabels([names[cl.id][:24] if names else str(cl.id) for cl in partition.clients], fontsize=7 if k > 20 else 9)
         for tick, out in zip(ax.get_yticklabels(), opt_out, strict=True):
             if out:
                 tick.set_color("tab:red")

@@ -40,6 +40,10 @@ from fedpipe.run.config import RunConfig, load_config
 # and the scheme decides which partition fields exist. Change them with `overrides` or another pipeline.
 FIXED_FIELDS = {"method.name", "partition.scheme", "telemetry.pipeline"}
 
+# Unset text fields that are still run parameters (with "" for unset), because the UI is where they are
+# set: data.source names a user's own data (data.dataset=files) for a run started from the KFP UI.
+TEXT_PARAMETERS = {"data.source"}
+
 # The pipeline's resource parameters and their defaults. Kubeflow's driver reads a resource given as a
 # runtime parameter from the parameter's *string* value (backend/src/v2/driver: initPodSpecPatch ->
 # resolvePodSpecInputRuntimeParameter -> Value.GetStringValue, then ParseQuantity): an int parameter
@@ -199,13 +203,16 @@ def pipeline_name(method: str | None) -> str:
 
 
 def flat_fields(cfg: RunConfig, sections: tuple[str, ...] | None = None) -> dict[str, object]:
-    """The config's scalar fields as {"train.rounds": 30, ...} (lists and unset values are left to `overrides`)."""
+    """The config's scalar fields as {"train.rounds": 30, ...} (lists and unset values are left to `overrides`,
+    except the unset text fields of TEXT_PARAMETERS, which are parameters with "" for unset)."""
     out = {}
     for section, values in cfg.model_dump(mode="json").items():
         if sections is not None and section not in sections:
             continue
         for key, value in values.items():
             dotted = f"{section}.{key}"
+            if value is None and dotted in TEXT_PARAMETERS:
+                value = ""
             if isinstance(value, (bool, int, float, str)) and dotted not in FIXED_FIELDS:
                 out[dotted] = value
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import sys
 import warnings
@@ -19,7 +20,7 @@ from pathlib import Path
 from kfp import components, local
 
 from fedpipe.errors import FedpipeError
-from fedpipe.pipelines.builder import SHIPPED
+from fedpipe.pipelines.builder import SHIPPED, DeployOptions, method_pipeline
 from fedpipe.run.config import RunConfig
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -67,7 +68,12 @@ def compiled_pipeline(method: str) -> Path:
 def run_method_locally(cfg: RunConfig, pipeline_root: Path, verbose: bool = False) -> Path:
     """The method's shipped compiled pipeline, with `cfg` as its base config (run id pinned to the
     config's, so a rerun reuses finished steps). Returns the folder of the pipeline run's artifacts."""
-    pipeline = components.load_component_from_file(str(compiled_pipeline(cfg.method.name)))
+    if os.environ.get("FEDPIPE_S3_ENDPOINT"):
+        # the shipped pipeline's tasks name the in-cluster MinIO (DeployOptions.s3_endpoint), and the local
+        # runner gives a task the env its spec names: build it for this machine's S3 endpoint instead
+        pipeline = method_pipeline(cfg, DeployOptions.from_env(store=cfg.run.store))
+    else:
+        pipeline = components.load_component_from_file(str(compiled_pipeline(cfg.method.name)))
     pinned = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": cfg.run_id()})})
     return run_locally(pipeline, {"base_config": pinned.to_yaml()}, pipeline_root, verbose)
 

@@ -17,6 +17,8 @@ from fedpipe.nn.networks import MODELS, build_model
 
 TEXT_SHAPE = (12, 50)  # (tokens, vocabulary): a small BiLSTM
 IMAGE_SHAPE = (1, 28, 28)
+TABLE_SHAPE = (30,)  # numeric features
+SHAPES = {"image": IMAGE_SHAPE, "text": TEXT_SHAPE, "table": TABLE_SHAPE}
 
 # Every bundled model, its layers in order and the tensors mixed with the defaults (biases shared).
 EXPECTED = {
@@ -28,12 +30,13 @@ EXPECTED = {
     "mcmahan_cnn": {"features.0": ["weight"], "features.3": ["weight"], "body.0": ["weight"], "head": ["weight"]},
     "bilstm": {"embedding": ["weight"], "lstm": ["weight_ih_l0", "weight_hh_l0", "weight_ih_l0_reverse", "weight_hh_l0_reverse"],
                "head": ["weight"]},
+    "tabular_mlp": {"body.0": ["weight"], "body.2": ["weight"], "head": ["weight"]},
 }
 
 
 def bundled(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return build_model(name, TEXT_SHAPE if MODELS[name].text else IMAGE_SHAPE, 4)
+    return build_model(name, SHAPES[MODELS[name].reads], 4)
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -102,9 +102,9 @@ class FedMNParams(MethodParams):
     encoder: Literal["auto", "cnn", "mlp"] = "auto"
     """Encoder units: cnn (copies of the configured model's convolutional `features`, each with its
     own initialisation, then a linear layer to hidden[0]), mlp (flatten, linear), or auto (cnn when
-    the model has `features`: superfed_cnn, lenet5, mcmahan_cnn; mlp otherwise)."""
+    the model has `features`: superfed_cnn, lenet5, mcmahan_cnn; mlp otherwise, and for tables)."""
     router_feature_dim: int = Field(32, ge=1, le=MAX_WIDTH)
-    """Router: width of the per-sample image embedding (a small CNN, then linear)."""
+    """Router: width of the per-sample input embedding (a small CNN, then linear; for tables, one linear layer)."""
     router_label_dim: int = Field(16, ge=1, le=MAX_WIDTH)
     """Router: width of the per-sample label embedding (one-hot through a linear layer)."""
     tau_start: float = Field(1.0, gt=0)
@@ -184,11 +184,14 @@ def build_networks(params: FedMNParams, model: nn.Module, seed: int) -> tuple[nn
     shape, classes = getattr(model, "input_shape", None), getattr(model, "num_classes", None)
     if shape is None or classes is None:
         raise ValueError("FedMN sizes its networks from model.input_shape and model.num_classes (set by build_model)")
-    if len(shape) != 3:
-        raise ConfigError(f"FedMN's encoders and router read images (C, H, W); this dataset's inputs have shape {tuple(shape)} "
-                          "(token sequences?). Choose an image dataset for method.name=fedmn.")
-    features = getattr(model, "features", None)
+    if len(shape) not in (1, 3):
+        raise ConfigError(f"FedMN's encoders and router read images (C, H, W) or a table's rows (F,); this dataset's inputs "
+                          f"have shape {tuple(shape)} (token sequences?). Choose an image or table dataset for method.name=fedmn.")
+    features = getattr(model, "features", None) if len(shape) == 3 else None  # a table has no convolutional features
     encoder = params.encoder if params.encoder != "auto" else ("cnn" if features is not None else "mlp")
+    if encoder == "cnn" and len(shape) == 1:
+        raise ConfigError("method.encoder=cnn copies a CNN's convolutional `features`, which read images; this dataset is a "
+                          f"table of {shape[0]} features: set method.encoder=mlp (or auto).")
     if encoder == "cnn" and features is None:
         raise ConfigError(f"method.encoder=cnn copies the model's convolutional `features`, and {type(model).__name__} has none; "
                           "set model.name to a CNN (lenet5, superfed_cnn, mcmahan_cnn) or method.encoder=mlp.")

@@ -69,6 +69,7 @@ from fedpipe.algorithms.base import (
     federation_phase,
 )
 from fedpipe.config import MAX_EPOCHS
+from fedpipe.errors import ConfigError
 from fedpipe.seeding import torch_generator
 
 FINETUNED, LOCAL, SPECIALIST, GATE, GLOBAL = "finetuned", "local", "specialist", "gate", "global"
@@ -265,8 +266,14 @@ def gate_network(model: nn.Module, seed: int) -> nn.Module:
     applied by the mixture). Its body starts as the initial model's; its new output layer is drawn as
     PyTorch initialises a Linear layer, from a generator derived from the run seed (the same gate for
     every client, as Algorithm 1's line 3 initialises w_h^k before the loop; no global RNG is touched)."""
+    head = getattr(model, "head", None)
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(
+            f"The mixture of experts' gate is the model with its output layer replaced by one unit: it needs the output "
+            f"layer as an nn.Linear named `head`, and {type(model).__name__} has "
+            f"{'none' if head is None else 'a ' + type(head).__name__ + ' there'}. Name the model's last linear layer `head`."
+        )
     gate = copy.deepcopy(model)
-    head = model.head
     gen = torch_generator(seed, "fedmoe-gate-head")
     out = nn.Linear(head.in_features, 1, bias=head.bias is not None, device="meta").to_empty(device="cpu")
     with torch.no_grad():

@@ -31,6 +31,7 @@ single global model.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Literal
 
 import torch
@@ -51,6 +52,8 @@ from fedpipe.algorithms.base import (
     federation_phase,
 )
 from fedpipe.seeding import derive_seed
+
+log = logging.getLogger(__name__)
 
 CLUSTER_KEY = "ifca/cluster"  # in a client's kept state: the cluster it picked last, as an int64 scalar
 LOSS_BATCH = 1024  # samples per forward when estimating a client's cluster (memory only)
@@ -89,6 +92,12 @@ class IFCA(Algorithm):
     def __init__(self, params, model, seed):
         super().__init__(params, model, seed)
         self._initial: Params | None = None
+        fixed = [f"{path}.{n}" if path else n for path, m in model.named_modules() if not hasattr(m, "reset_parameters")
+                 for n, _ in m.named_parameters(recurse=False)]
+        if fixed and self.params.clusters > 1:
+            log.warning("IFCA draws the other clusters' models by each layer's reset_parameters, which the layers holding %s "
+                        "of %s do not have: those parameters start equal in every cluster.", ", ".join(fixed[:10]),
+                        type(model).__name__)
 
     @classmethod
     def phases(cls, params: IFCAParams, rounds: int) -> list[Phase]:

@@ -40,6 +40,7 @@ Where the paper is silent (each a named option or stated here):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -63,6 +64,8 @@ from fedpipe.algorithms.base import (
 )
 from fedpipe.config import MAX_EPOCHS
 from fedpipe.nn.multibranch import BranchLayout, project_onto_simplex
+
+log = logging.getLogger(__name__)
 
 ALPHA = "alpha"  # a client's alpha on the simplex (kept state with `simplex: projection`; always in uploads)
 ALPHA_LOGITS = "alpha_logits"  # a client's kept state with `simplex: softmax`: alpha = softmax(logits)
@@ -155,6 +158,10 @@ class PFedMB(Algorithm):
         super().__init__(params, model, seed)
         self.layout = BranchLayout.of(model, params.num_branches, params.branched_layers, params.alpha_scope == "shared")
         self.base_shapes = {n: p.shape for n, p in model.named_parameters()}
+        unbranched = BranchLayout.unbranchable(model)
+        if params.branched_layers == "all" and unbranched:
+            log.warning("pFedMB branches Conv2d and Linear layers only: %s of %s stay single, shared by every branch and "
+                        "averaged by sample count (FedAvg).", ", ".join(unbranched), type(model).__name__)
 
     @classmethod
     def phases(cls, params: MethodParams, rounds: int) -> list[Phase]:

@@ -7,7 +7,12 @@ The data contract, for every loader and every consumer:
   with PAD_ID = 0 (UNK_ID = 1 stands for words outside the vocabulary); a dataset's input shape is
   (T, V), the shape of the sequences' one-hot encoding, so a model builder learns both the length
   and the vocabulary from the shape alone. `is_text_shape` tells the two apart;
+- tables (a user's numeric features, `data.dataset=files`): `x` is float32 [N, F], finite; a dataset's
+  input shape is (F,). `is_table_shape` tells it apart;
 - labels: int64 class indices, one per row of `x`.
+
+A user's own federated data (`fedpipe.data.files`) also says which client each training row belongs to
+(`DatasetBundle.clients`, the natural partition) and what was read (`DatasetBundle.snapshot`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ UNK_ID = 1  # token id of a word outside the vocabulary (text)
 def is_text_shape(shape: tuple[int, ...]) -> bool:
     """True for the input shape of token sequences, (T, V); images have (C, H, W)."""
     return len(shape) == 2
+
+
+def is_table_shape(shape: tuple[int, ...]) -> bool:
+    """True for the input shape of numeric features, (F,)."""
+    return len(shape) == 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,9 @@ class DatasetBundle:
     class_names: tuple[str, ...]
     fingerprint: str  # sha256 of the arrays' bytes (train then test), fixes what a partition refers to
     vocab_size: int | None = None  # token sequences: V, every id is below it; None for images
+    clients: np.ndarray | None = None  # int64 per row of `train`: its client (natural partition); None: no clients
+    client_names: tuple[str, ...] = ()  # clients[i] names client_names[clients[i]] (a site, a device, a writer)
+    snapshot: dict | None = None  # what was read (`fedpipe.data.files.snapshot`): source, digest, objects, bytes
 
     @property
     def is_text(self) -> bool:
@@ -55,7 +68,7 @@ class DatasetBundle:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """(C, H, W) for images; (T, V) for token sequences."""
+        """(C, H, W) for images; (T, V) for token sequences; (F,) for numeric features."""
         if self.is_text:
             return (int(self.train.x.shape[1]), int(self.vocab_size))
         return tuple(self.train.x.shape[1:])  # type: ignore[return-value]

@@ -36,18 +36,17 @@ import hashlib
 import io
 import logging
 import os
-import re
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 
-from fedpipe.config import Section
-from fedpipe.data import PAD_ID, UNK_ID, DatasetBundle, LabeledArrays, is_text_shape
+from fedpipe.config import MAX_URL_CHARS, Section, refuse_url_credentials
+from fedpipe.data import DatasetBundle, LabeledArrays, is_text_shape
 from fedpipe.data.safe_pickle import load_cifar_pickle
+from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
 
 log = logging.getLogger(__name__)
@@ -61,8 +60,8 @@ TINY_IMAGENET_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
 
 AGNEWS_CLASSES = ("World", "Sports", "Business", "Sci/Tech")  # class index 1..4 in the CSV files
 AGNEWS_FOLDER = "ag_news_csv"  # the folder name of the standard distribution
-AGNEWS_MAX_LENGTH = 64  # tokens per text (title, then description); longer texts are cut, shorter padded
-AGNEWS_VOCAB_SIZE = 20_000  # token ids, padding and unknown included: the 19,998 most frequent training words
+AGNEWS_MAX_LENGTH = TEXT_MAX_LENGTH  # tokens per text (title, then description); longer texts are cut, shorter padded
+AGNEWS_VOCAB_SIZE = TEXT_VOCAB_SIZE  # token ids, padding and unknown included: the 19,998 most frequent training words
 
 
 @dataclass(frozen=True)
@@ -82,13 +81,18 @@ class DatasetInfo:
         return is_text_shape(self.input_shape)
 
 
+FILES = "files"  # data.dataset of a user's own federated data (fedpipe.data.files), not a registry entry
+
+
 class DataConfig(Section):
     """Which dataset a run uses and where its files are."""
 
     dataset: str = "mnist5k"
     """Name of the dataset in the registry (fedpipe.data.datasets.DATASETS): mnist5k and digits ship with
     pip packages and need no files; mnist, fashion_mnist, emnist, cifar10, cifar100 and tinyimagenet are
-    read from `root` or downloaded; agnews (text) is read from `root` (a folder or an s3:// URL)."""
+    read from `root` or downloaded; agnews (text) is read from `root` (a folder or an s3:// URL).
+    `files`: your own federated data under `source` (images per client, or a table with a client column;
+    `fedpipe data init SOURCE` writes its manifest, `fedpipe data check SOURCE` checks it)."""
 
     root: Path | str | None = None
     """Folder holding the downloaded datasets in torchvision's layout (e.g. ROOT/MNIST/raw,
@@ -101,11 +105,26 @@ class DataConfig(Section):
     """Download a missing dataset into `root` through torchvision (needs internet). False: only read
     files already there, and fail with a message saying what is missing."""
 
+    source: str | None = Field(None, max_length=MAX_URL_CHARS)
+    """With dataset=files: the folder or s3://bucket/prefix holding your data and its fedpipe-data.yaml
+    (endpoint and credentials from the environment, as for run.store). A final `latest` segment
+    (s3://bucket/drops/latest) means the newest sub-prefix by name, so a recurring run reads the newest
+    drop; the run records which one it read."""
+
+    image_size: int | None = Field(None, ge=4, le=1024)
+    """With dataset=files: the side every image is resized to (bilinear), in pixels. None: the images'
+    own size, which must then be the same for all of them."""
+
+    snapshot: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """With dataset=files: the sha256 of what the run read (every file's key, size and ETag or sha256).
+    Leave it unset: fedpipe fills it in when the run starts, so it enters the run's id (new data is a
+    new run, the same data resumes the same run) and a later step refuses data that changed since."""
+
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, name: str) -> str:
-        if name not in DATASETS:
-            raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+        if name not in DATASETS and name != FILES:
+            raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}, or {FILES} for your own data")
         return name
 
     @field_validator("root", mode="before")
@@ -115,6 +134,24 @@ class DataConfig(Section):
         if isinstance(value, str) and not value.startswith("s3://"):
             return Path(value)
         return value
+
+    @field_validator("source")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return refuse_url_credentials(value, "data.source", "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment",
+                                      bare_is_host=False)
+
+    @model_validator(mode="after")
+    def _source_with_files(self) -> DataConfig:
+        if self.dataset == FILES and not self.source:
+            raise ValueError("data.dataset=files reads your own data: set data.source to its folder or s3://bucket/prefix")
+        if self.dataset != FILES and (self.source or self.snapshot or self.image_size):
+            given = ", ".join(n for n in ("source", "snapshot", "image_size") if getattr(self, n))
+            raise ValueError(f"data.{given} belong(s) to data.dataset=files, but data.dataset={self.dataset}; "
+                             "set data.dataset=files or leave them out")
+        return self
 
 
 def _is_url(root: Path | str) -> bool:
@@ -139,7 +176,11 @@ def data_root(cfg: DataConfig) -> Path | str:
 
 def load_dataset(cfg: DataConfig) -> DatasetBundle:
     """Load a dataset by name: uint8 NCHW images (or int64 token ids for text), int64 labels, its
-    official test split if it has one."""
+    official test split if it has one. dataset=files: the user's own data (`fedpipe.data.files`)."""
+    if cfg.dataset == FILES:
+        from fedpipe.data.files import load_files
+
+        return load_files(cfg.source, cfg.image_size, cfg.snapshot)
     info = DATASETS[cfg.dataset]
     root = data_root(cfg)
     if _is_url(root) and not info.reads_urls:
@@ -493,43 +534,8 @@ def _decode_rgb64(paths: list[str], desc: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Text: AG News (the standard ag_news_csv files), a tokenizer and a vocabulary from the training split.
-
-_ENTITY_NUMBER = re.compile(r"&?#(\d+);")  # the files write "&#39;" as "#39;"
-_ENTITY_NAMED = re.compile(r"&?(quot|amp|lt|gt|apos);")
-_ENTITIES = {"quot": '"', "amp": "&", "lt": "<", "gt": ">", "apos": "'"}
-_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
-
-
-def tokenize(text: str) -> list[str]:
-    """Lower-cased words and numbers (an apostrophe suffix stays: "street's"); punctuation is dropped.
-
-    The AG News files' escapes are undone first: a backslash stands for a line break, and HTML
-    entities lost their '&' ("#39;", "quot;")."""
-    text = text.replace("\\", " ")
-    text = _ENTITY_NUMBER.sub(lambda m: chr(int(m.group(1))) if int(m.group(1)) < 0x110000 else " ", text)
-    text = _ENTITY_NAMED.sub(lambda m: _ENTITIES[m.group(1)], text)
-    return _WORD.findall(text.lower())
-
-
-def build_vocabulary(texts: list[list[str]], vocab_size: int) -> dict[str, int]:
-    """word -> token id for the vocab_size - 2 most frequent words of `texts` (ties: alphabetical), ids
-    from 2 up; PAD_ID (0) and UNK_ID (1) are reserved. Built from the training split only, so nothing
-    of the test data shapes the inputs."""
-    counts = Counter(word for words in texts for word in words)
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - 2]
-    return {word: i + 2 for i, (word, _) in enumerate(ranked)}
-
-
-def encode(texts: list[list[str]], vocabulary: dict[str, int], length: int) -> np.ndarray:
-    """int64 [N, length]: each text's first `length` token ids, right-padded with PAD_ID; words
-    outside the vocabulary become UNK_ID."""
-    out = np.full((len(texts), length), PAD_ID, dtype=np.int64)
-    for i, words in enumerate(texts):
-        ids = [vocabulary.get(w, UNK_ID) for w in words[:length]]
-        out[i, : len(ids)] = ids
-    return out
-
+# Text: AG News (the standard ag_news_csv files), tokenized by fedpipe.data.text with a vocabulary from the
+# training split.
 
 def _read_agnews_csv(data: bytes, where: str) -> tuple[list[list[str]], np.ndarray]:
     """(tokenized title + description per row, labels 0..3) of one AG News CSV file (no header)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedpipe.data import DatasetBundle, LabeledArrays
+from fedpipe.data import DatasetBundle, LabeledArrays, is_table_shape
 from fedpipe.data.partition import Partition
 from fedpipe.errors import DataError
 
@@ -35,7 +35,8 @@ class FederatedData:
     clients: tuple[ClientData, ...]
     global_test: Split
     num_classes: int
-    input_shape: tuple[int, ...]  # (C, H, W) for images, (T, V) for token sequences (fedpipe.data)
+    input_shape: tuple[int, ...]  # (C, H, W) for images, (T, V) for token sequences, (F,) for features (fedpipe.data)
+    client_names: tuple[str, ...] = ()  # natural partition: client i is the data's client_names[i]
 
     @property
     def num_clients(self) -> int:
@@ -67,6 +68,8 @@ def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.devi
     client's raw copy and a float64 copy of all training pixels at once took ~3 GiB more)."""
     if bundle.is_text:
         return _prepare_text(bundle, partition, device)
+    if is_table_shape(bundle.input_shape):
+        return _prepare_table(bundle, partition, device)
 
     def raw(arrays: LabeledArrays, rows: np.ndarray | None, transform: str | None) -> tuple[np.ndarray, np.ndarray]:
         x, y = (arrays.x, arrays.y) if rows is None else (arrays.x[rows], arrays.y[rows])
@@ -92,7 +95,7 @@ def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.devi
         global_test = to_split(raw(bundle.test, None, None))
     else:
         global_test = to_split(raw(bundle.train, partition.global_test_indices, None))
-    return FederatedData(clients, global_test, bundle.num_classes, bundle.input_shape)
+    return FederatedData(clients, global_test, bundle.num_classes, bundle.input_shape, partition.client_names)
 
 
 def _standardisation(bundle: DatasetBundle, partition: Partition, raw) -> tuple[np.ndarray, np.ndarray]:
@@ -122,20 +125,52 @@ def _standardisation(bundle: DatasetBundle, partition: Partition, raw) -> tuple[
     return mean, np.maximum(np.sqrt(np.maximum(squares / count - mean**2, 0.0)), 1e-6)
 
 
-def _prepare_text(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:
-    """Token ids as int64 tensors on `device`: no standardisation, and no feature shift (those are
-    image transforms; a partition asking for one on text is refused)."""
+def _no_feature_shift(bundle: DatasetBundle, partition: Partition, what: str, instead: str) -> None:
     shifted = [c.id for c in partition.clients if c.transform]
     if shifted:
         raise DataError(
-            f"partition.feature_shift transforms images, but {bundle.name} holds token sequences (clients "
-            f"{shifted[:5]} have a shift); leave partition.feature_shift empty for text."
+            f"partition.feature_shift transforms images, but {bundle.name} holds {what} (clients "
+            f"{shifted[:5]} have a shift); {instead}."
         )
+
+
+def _prepare_table(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:
+    """Numeric features standardised per column with the opt-in clients' training rows (as images are
+    per channel: opt-out clients' data must not shape anything shared), float32 on `device`."""
+    _no_feature_shift(bundle, partition, "numeric features", "leave partition.feature_shift empty for tables")
+    members = [c for c in partition.clients if not c.opt_out] or list(partition.clients)
+    rows = np.concatenate([c.train for c in members])
+    counts = np.bincount(rows, minlength=len(bundle.train))  # a shared sample counts once per client holding it
+    used = np.flatnonzero(counts)
+    total, squares = np.zeros(bundle.train.x.shape[1]), np.zeros(bundle.train.x.shape[1])
+    for start in range(0, used.size, 65536):  # float64 sums in chunks: no float64 copy of a million rows
+        part = used[start : start + 65536]
+        x, w = bundle.train.x[part].astype(np.float64), counts[part].astype(np.float64)
+        total += w @ x
+        squares += w @ np.square(x)
+    n = counts.sum()
+    mean = total / n
+    std = np.maximum(np.sqrt(np.maximum(squares / n - mean**2, 0.0)), 1e-6)
+    mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+
+    return _gathered(bundle, partition, device, lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sub_(mean_t).div_(std_t))
+
+
+def _prepare_text(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:
+    """Token ids as int64 tensors on `device`: no standardisation, and no feature shift (those are
+    image transforms; a partition asking for one on text is refused)."""
+    _no_feature_shift(bundle, partition, "token sequences", "leave partition.feature_shift empty for text")
+
+    return _gathered(bundle, partition, device, lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)))
+
+
+def _gathered(bundle: DatasetBundle, partition: Partition, device: torch.device, inputs) -> FederatedData:
+    """Every client's splits and the global test set, rows gathered from the bundle, `inputs` making the
+    input tensor of a block of rows (the labels go as they are)."""
 
     def to_split(arrays: LabeledArrays, rows: np.ndarray | None) -> Split:
         x, y = (arrays.x, arrays.y) if rows is None else (arrays.x[rows], arrays.y[rows])
-        return Split(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device),
-                     torch.from_numpy(np.ascontiguousarray(y)).long().to(device))
+        return Split(inputs(x).to(device), torch.from_numpy(np.ascontiguousarray(y)).long().to(device))
 
     clients = tuple(
         ClientData(c.id, to_split(bundle.train, c.train), to_split(bundle.train, c.val), to_split(bundle.train, c.test), c.opt_out)
@@ -146,4 +181,4 @@ def _prepare_text(bundle: DatasetBundle, partition: Partition, device: torch.dev
         global_test = to_split(bundle.test, None)
     else:
         global_test = to_split(bundle.train, partition.global_test_indices)
-    return FederatedData(clients, global_test, bundle.num_classes, bundle.input_shape)
+    return FederatedData(clients, global_test, bundle.num_classes, bundle.input_shape, partition.client_names)

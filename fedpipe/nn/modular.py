@@ -226,7 +226,8 @@ class RoutingHypernetwork(nn.Module):
     """The router: one logit per path from a summary of the client's joint distribution p(x, y).
 
     Per sample: a CNN embedding of x (conv 5x5 with `channels` maps and stride 2 floor(side / 14),
-    so a 28x28 image gives 7x7 maps; ReLU; linear to `feature_dim`, ReLU) concatenated with an embedding of y (one-hot through a
+    so a 28x28 image gives 7x7 maps; ReLU; linear to `feature_dim`, ReLU; for a table's rows (F,): linear
+    to `feature_dim`, ReLU) concatenated with an embedding of y (one-hot through a
     linear layer without bias, `label_dim`), L2-normalised; the summary is the mean of those vectors
     over the client's samples; a linear layer maps it to E logits (official code, restated in
     ../shared/reference/fedmn.md). The router runs
@@ -238,9 +239,12 @@ class RoutingHypernetwork(nn.Module):
                  channels: int = 8):
         super().__init__()
         self.num_classes = num_classes
-        stride = 2 * max(1, min(input_shape[1:]) // 14)
-        conv = nn.Sequential(nn.Conv2d(input_shape[0], channels, 5, stride=stride, padding=2), nn.ReLU(), nn.Flatten())
-        self.features = nn.Sequential(*conv, nn.Linear(_flat_size(conv, input_shape), feature_dim), nn.ReLU())
+        if len(input_shape) == 1:  # a table's rows (F,): the features through one linear layer
+            self.features = nn.Sequential(nn.Linear(input_shape[0], feature_dim), nn.ReLU())
+        else:
+            stride = 2 * max(1, min(input_shape[1:]) // 14)
+            conv = nn.Sequential(nn.Conv2d(input_shape[0], channels, 5, stride=stride, padding=2), nn.ReLU(), nn.Flatten())
+            self.features = nn.Sequential(*conv, nn.Linear(_flat_size(conv, input_shape), feature_dim), nn.ReLU())
         self.labels = nn.Linear(num_classes, label_dim, bias=False)
         self.head = nn.Linear(feature_dim + label_dim, num_paths)
 

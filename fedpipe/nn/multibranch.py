@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedpipe.errors import ConfigError
 from fedpipe.nn.networks import names_under
 from fedpipe.seeding import derive_seed
 
@@ -109,9 +110,17 @@ class BranchLayout:
         if branched != "all":
             layers = names_under(layers, branched, "method.branched_layers (prefixes of Conv2d / Linear layers)")
         if not layers:
-            raise ValueError("no layer to branch: the model has no Conv2d or Linear layer")
+            raise ConfigError(f"pFedMB branches Conv2d and Linear layers, and {type(model).__name__} has none; "
+                              "use a model built from them.")
         tensors = {name: tuple(f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters(recurse=False)) for name in layers}
         return cls(num_branches, tuple(layers), tensors, shared_alpha)
+
+    @staticmethod
+    def unbranchable(model: nn.Module) -> list[str]:
+        """Layers holding trainable parameters of a type pFedMB does not branch (not Conv2d / Linear):
+        "name (Type)" strings. Their parameters stay single, shared by the branches, averaged by sample count."""
+        return [f"{name or 'the model itself'} ({type(m).__name__})" for name, m in model.named_modules()
+                if not isinstance(m, BRANCHABLE) and any(True for _ in m.parameters(recurse=False))]
 
     # --- alpha ----------------------------------------------------------------------------------
     @property

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from fedpipe.data import PAD_ID, is_text_shape
+from fedpipe.data import PAD_ID, is_table_shape, is_text_shape
 from fedpipe.errors import ConfigError
+from fedpipe.nn.imported import build_imported, is_import_path
 
 
 class TwoNN(nn.Module):
@@ -25,6 +27,21 @@ class TwoNN(nn.Module):
         self.body = nn.Sequential(
             nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
         )
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class TabularMLP(nn.Module):
+    """A 2NN for tables: F-200-200-C with ReLU, for rows of F numeric features (input shape (F,), float32
+    [N, F], data.dataset=files). Its layers are named as TwoNN's (`body`, `head`), so every method's
+    defaults (FedPer's and LG-FedAvg's `head`, the mixture of experts' gate) apply to it unchanged."""
+
+    def __init__(self, input_shape: tuple[int], num_classes: int, hidden: int = 200):
+        super().__init__()
+        (features,) = input_shape
+        self.body = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,13 +153,40 @@ def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
         return int(features(torch.zeros(1, *input_shape)).shape[1])
 
 
+InputKind = Literal["image", "text", "table"]
+KIND_SHAPES = {"image": "images (C, H, W)", "text": "token sequences (T, V)", "table": "rows of numeric features (F,)"}
+KIND_NOUNS = {"image": "an image model", "text": "a text model", "table": "a table model"}
+
+
+def input_kind(shape: tuple[int, ...]) -> InputKind | None:
+    """What inputs of `shape` are (the data contract, fedpipe.data): image (C, H, W), text (T, V) or
+    table (F,); None for any other shape."""
+    if is_table_shape(shape):
+        return "table"
+    if is_text_shape(shape):
+        return "text"
+    return "image" if len(shape) == 3 else None
+
+
+def describe_inputs(shape: tuple[int, ...]) -> str:
+    """The dataset's inputs in words, for messages."""
+    kind = input_kind(shape)
+    if kind == "table":
+        return f"a table of {shape[0]} numeric features per row"
+    if kind == "text":
+        return f"token sequences (length {shape[0]}, vocabulary {shape[1]})"
+    if kind == "image":
+        return f"images of {shape[0]} channel(s), {shape[1]}x{shape[2]} pixels"
+    return f"inputs of shape {tuple(shape)}"
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
     build: Callable[[tuple[int, ...], int], nn.Module]
-    min_side: int  # smallest image side the architecture accepts (text models: 1)
+    min_side: int  # smallest image side the architecture accepts (text and table models: 1)
     description: str
-    text: bool = False  # reads token sequences (input_shape (T, V)) instead of images (C, H, W)
+    reads: InputKind = "image"  # images (C, H, W), token sequences (T, V) or numeric features (F,)
 
 
 MODELS: dict[str, ModelInfo] = {
@@ -153,43 +197,59 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("lenet5", LeNet5, 16, "LeNet-style CNN of pFedMB and the federated mixture of experts"),
         ModelInfo("mcmahan_cnn", McMahanCNN, 16, "bias-free MNIST CNN of McMahan et al. (FedAvg)"),
         ModelInfo("bilstm", BiLSTMClassifier, 1, "embedding 100, bidirectional LSTM 64: the mixture of experts' AG News network",
-                  text=True),
+                  reads="text"),
+        ModelInfo("tabular_mlp", TabularMLP, 1, "F-200-200-C MLP for tables of numeric features (a 2NN)", reads="table"),
     )
 }
 
 
+def models_reading(kind: InputKind) -> list[str]:
+    return [n for n, i in MODELS.items() if i.reads == kind]
+
+
 def auto_model_name(input_shape: tuple[int, ...]) -> str:
-    """What model.name=auto means for inputs of `input_shape`: bilstm for token sequences,
-    superfed_cnn for images of 28 pixels and more, twonn below."""
+    """What model.name=auto means for inputs of `input_shape`: tabular_mlp for tables, bilstm for token
+    sequences, superfed_cnn for images of 28 pixels and more, twonn below."""
+    if is_table_shape(input_shape):
+        return "tabular_mlp"
     if is_text_shape(input_shape):
         return "bilstm"
     return "superfed_cnn" if min(input_shape[1:]) >= 28 else "twonn"
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Build model `name` for inputs of `input_shape`, (C, H, W) for images or (T, V) for token
-    sequences, and `num_classes` outputs."""
+    """Build model `name` for inputs of `input_shape`, (C, H, W) for images, (T, V) for token sequences
+    or (F,) for tables, and `num_classes` outputs. `name` is a bundled model (MODELS) or an import path,
+    `package.module:factory` (fedpipe.nn.imported: checked, then tried on one batch)."""
+    input_shape = tuple(int(d) for d in input_shape)
+    if is_import_path(name):
+        model = build_imported(name, input_shape, num_classes)
+    else:
+        model = _build_bundled(name, input_shape, num_classes)
+    # what the model was built for, so a method that builds companion networks (a gate, a router,
+    # modules) can size them without the data
+    model.input_shape, model.num_classes = input_shape, num_classes
+    return model
+
+
+def _build_bundled(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if name not in MODELS:
-        raise ConfigError(f"model.name={name!r} is not a known model; choose one of {', '.join(MODELS)}.")
+        raise ConfigError(f"model.name={name!r} is not a known model; choose one of {', '.join(MODELS)}, "
+                          "or name your own as package.module:function.")
     info = MODELS[name]
-    text_models = ", ".join(n for n, i in MODELS.items() if i.text)
-    if info.text != is_text_shape(input_shape):
-        if info.text:
-            raise ConfigError(f"model.name={name!r} reads token sequences, but the dataset holds images of shape "
-                              f"{tuple(input_shape)}; pick an image model ({', '.join(n for n, i in MODELS.items() if not i.text)}).")
-        raise ConfigError(f"model.name={name!r} is an image model, but the dataset holds token sequences (length "
-                          f"{input_shape[0]}, vocabulary {input_shape[1]}); use model.name={text_models}.")
-    side = min(input_shape[1:]) if not info.text else 1
-    if side < info.min_side:
+    kind = input_kind(input_shape)
+    if info.reads != kind:
+        fitting = models_reading(kind) if kind else []
+        instead = (f"use model.name={' or '.join(fitting)} (or auto)" if fitting
+                   else "no bundled model reads them; name your own as package.module:function")
+        raise ConfigError(f"model.name={name!r} is {KIND_NOUNS[info.reads]} (it reads {KIND_SHAPES[info.reads]}), but the dataset holds "
+                          f"{describe_inputs(input_shape)}; {instead}.")
+    if info.reads == "image" and min(input_shape[1:]) < info.min_side:
         raise ConfigError(
             f"model.name={name!r} needs images at least {info.min_side}x{info.min_side}, but the dataset's "
             f"images are {input_shape[1]}x{input_shape[2]}; use model.name=twonn for small images."
         )
-    model = info.build(input_shape, num_classes)
-    # what the model was built for, so a method that builds companion networks (a gate, a router,
-    # modules) can size them without the data
-    model.input_shape, model.num_classes = tuple(input_shape), num_classes
-    return model
+    return info.build(input_shape, num_classes)
 
 
 def lies_under(name: str, prefixes: tuple[str, ...] | list[str]) -> bool:

@@ -29,26 +29,35 @@ from fedpipe.config import (
     apply_override,
     format_validation_error,
 )
-from fedpipe.data.datasets import DATASETS, DataConfig
+from fedpipe.data.datasets import DATASETS, FILES, DataConfig
 from fedpipe.data.partition import PartitionConfig
 from fedpipe.errors import ConfigError
-from fedpipe.nn.networks import MODELS
+from fedpipe.nn.imported import MAX_IMPORT_PATH, import_path_problem, is_import_path
+from fedpipe.nn.networks import MODELS, auto_model_name
 from fedpipe.safe_load import load_yaml_file
 
 
 class ModelConfig(Section):
     """The network every client trains."""
 
-    name: str = "auto"
-    """Network: twonn, superfed_cnn, lenet5, mcmahan_cnn; auto picks superfed_cnn for images of 28 pixels
-    or more, else twonn."""
+    name: str = Field("auto", max_length=MAX_IMPORT_PATH)
+    """Network: twonn, superfed_cnn, lenet5, mcmahan_cnn (images), bilstm (text), tabular_mlp (tables); auto
+    picks superfed_cnn for images of 28 pixels or more, twonn below, bilstm for text, tabular_mlp for tables.
+    Or your own, by import path: package.module:function, called as function(input_shape, num_classes) and
+    returning a torch nn.Module; the package must be installed where the tasks run (for a pipeline, an image
+    FROM fedpipe's; FEDPIPE_MODEL_PACKAGES there lists the packages allowed). See docs/security.md."""
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v != "auto" and v not in MODELS:
-            raise ValueError(f"unknown model {v!r}; choose one of: auto, {', '.join(MODELS)}")
-        return v
+        if v == "auto" or v in MODELS:
+            return v
+        if is_import_path(v):
+            problem = import_path_problem(v)  # its form and refused packages; importing waits for the run
+            if problem:
+                raise ValueError(problem)
+            return v
+        raise ValueError(f"unknown model {v!r}; choose one of: auto, {', '.join(MODELS)}, or name your own as package.module:function")
 
 
 class RunConfig(Section):
@@ -87,11 +96,16 @@ class RunConfig(Section):
                                  "(far above real use: check for a typo such as an extra zero)")
         return self
 
-    def model_name(self) -> str:
+    def model_name(self, input_shape: tuple[int, ...] | None = None) -> str:
+        """model.name, with auto resolved for the data's input shape (a bundled dataset's is known from
+        its name; data.dataset=files needs the loaded data's `input_shape`)."""
         if self.model.name != "auto":
             return self.model.name
-        side = min(DATASETS[self.data.dataset].input_shape[1:])
-        return "superfed_cnn" if side >= 28 else "twonn"
+        if input_shape is None:
+            if self.data.dataset == FILES:
+                raise ConfigError("model.name=auto for data.dataset=files depends on the data: pass its input shape")
+            input_shape = DATASETS[self.data.dataset].input_shape
+        return auto_model_name(tuple(input_shape))
 
     def fingerprint(self) -> str:
         """Hash of everything that changes results (not where they go or how progress is shown)."""
@@ -130,6 +144,18 @@ def _validate_partition(d: dict) -> Any:
 
 def _validate_method(d: dict) -> Any:
     return TypeAdapter(MethodConfig).validate_python(d)
+
+
+def with_data_snapshot(cfg: RunConfig) -> RunConfig:
+    """data.dataset=files: the config with data.source resolved (`latest` -> the newest drop) and
+    data.snapshot set to what is there now, so the data enters the run's id (new data is a new run, the
+    same data resumes) and every later step refuses data that changed. Other datasets: `cfg` as it is."""
+    if cfg.data.dataset != FILES or cfg.data.snapshot:
+        return cfg
+    from fedpipe.data.files import current_snapshot
+
+    snap = current_snapshot(cfg.data.source)
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": snap["source"], "snapshot": snap["digest"]})})
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

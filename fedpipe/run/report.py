@@ -96,6 +96,7 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
             "bytes_downloaded": int(sum(r["bytes_downloaded"] for r in rows)),
         },
         "training_seconds": float(sum(r["seconds"] for r in rows)),
+        **({"data": {"source": cfg.data.source, "snapshot": cfg.data.snapshot}} if cfg.data.snapshot else {}),
     }
 
 
@@ -103,7 +104,8 @@ def clients_csv(pers: PersonalizedResult, data: FederatedData) -> str:
     out = io.StringIO()
     w = csv.writer(out)
     label = pers.candidate_label
-    head = ["client", "opt_out", "train", "val", "test", "accuracy", "loss", "ece", "global_test_accuracy"]
+    head = ["client", *(["name"] if data.client_names else []), "opt_out", "train", "val", "test", "accuracy", "loss", "ece",
+            "global_test_accuracy"]
     if label:
         head += [f"chosen_{label}", f"oracle_{label}", "oracle_accuracy"]
     w.writerow(head)
@@ -111,7 +113,8 @@ def clients_csv(pers: PersonalizedResult, data: FederatedData) -> str:
     for c in pers.clients:
         d, t = by_id[c.client_id], c.test[c.chosen]
         glob = "" if c.on_global_test is None else f"{c.on_global_test.accuracy:.4f}"
-        row = [c.client_id, int(c.opt_out), len(d.train), len(d.val), len(d.test), f"{t.accuracy:.4f}", f"{t.loss:.4f}", f"{t.ece:.4f}", glob]
+        name = [data.client_names[c.client_id]] if data.client_names else []
+        row = [c.client_id, *name, int(c.opt_out), len(d.train), len(d.val), len(d.test), f"{t.accuracy:.4f}", f"{t.loss:.4f}", f"{t.ece:.4f}", glob]
         if label:
             row += [c.candidates[c.chosen], c.candidates[c.oracle], f"{c.test[c.oracle].accuracy:.4f}"]
         w.writerow(row)
@@ -152,6 +155,9 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"  global model           top-1 {_pct(g['top1'])}, top-5 {_pct(g['top5'])}, loss {g['loss']:.3f}, ECE {g['ece']:.3f}")
     lines.append(f"  communication          {c['bytes_uploaded'] / 1e6:.1f} MB up, {c['bytes_downloaded'] / 1e6:.1f} MB down")
     lines.append(f"  training time          {summary['training_seconds']:.0f} s")
+    if isinstance(summary.get("data"), dict):
+        d = summary["data"]
+        lines.append(f"  data                   {d.get('source')} (snapshot {str(d.get('snapshot'))[:12]}...)")
     if "report" in summary:
         lines.append(f"  report                 {summary['report']}")
     return lines

@@ -73,7 +73,7 @@ class Run:
         """The algorithm and the initial global parameters (seeded: same seed, same weights)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.cfg.run.seed, "init-global"))
-            model = build_model(self.cfg.model_name(), self.bundle.input_shape, self.bundle.num_classes)
+            model = build_model(self.cfg.model_name(self.bundle.input_shape), self.bundle.input_shape, self.bundle.num_classes)
         model = model.to(device or self.device)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         return build_algorithm(self.cfg.method, model, self.cfg.run.seed), initial

@@ -6,7 +6,8 @@ A partition is made in three steps (`make_partition`):
    hold-out of `global_test_fraction` of the training pool (per class, largest-remainder rounding).
 2. The rest of the pool is divided over clients by one scheme (a partitioner function, see
    `PARTITIONERS`): `iid`, `pathological`, `classes_per_client`, `dirichlet`, `majority_class`,
-   `random_class_shares`, `semantic_groups`, `with_replacement`.
+   `random_class_shares`, `semantic_groups`, `with_replacement`; or `natural`, which keeps the clients
+   a user's own data names (`DatasetBundle.clients`, data.dataset=files).
 3. Each client's samples are shuffled and split into train / validation / test
    (`val_fraction`, `test_fraction`, both rounded down, the training split keeps the rest), and
    `round(opt_out_fraction * K)` clients chosen at random are flagged opt-out.
@@ -42,6 +43,7 @@ from fedpipe.data.partition.label_skew import (
 )
 from fedpipe.data.partition.make import make_partition
 from fedpipe.data.partition.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, ClientSplit, Partition
+from fedpipe.data.partition.natural import NaturalPartition
 from fedpipe.data.partition.sampling import IidPartition, WithReplacementPartition, iid, with_replacement
 from fedpipe.data.partition.schemes import PARTITIONERS, PartitionConfig, Partitioner, parse_partition_config
 from fedpipe.data.partition.semantic import SemanticGroupsPartition, deal_label_clusters, semantic_groups
@@ -57,6 +59,7 @@ __all__ = [
     "FeatureShift",
     "IidPartition",
     "MajorityClassPartition",
+    "NaturalPartition",
     "Partition",
     "PartitionConfig",
     "Partitioner",

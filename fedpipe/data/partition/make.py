@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -10,8 +11,11 @@ from fedpipe.data import DatasetBundle
 from fedpipe.data.partition._common import _apportion, _check_labels, _floor, _round_half_up, _stream
 from fedpipe.data.partition.feature_shift import feature_transforms
 from fedpipe.data.partition.manifest import ClientSplit, Partition
+from fedpipe.data.partition.natural import natural_clients, unseen_test_classes
 from fedpipe.data.partition.schemes import PARTITIONERS, parse_partition_config
 from fedpipe.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 
 def _stratified_holdout(labels: np.ndarray, fraction: float, num_classes: int, rng: np.random.Generator) -> np.ndarray:
@@ -47,8 +51,11 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
     if labels.size == 0:
         raise DataError(f"dataset {bundle.name!r} has no training samples to partition.")
     holdout, pool = _global_test_and_pool(bundle, labels, cfg, seed)
-    partitioner = PARTITIONERS[cfg.scheme]
-    local = partitioner(labels[pool], bundle.num_classes, _stream(seed, "scheme"), **cfg.partitioner_params())
+    if cfg.scheme == "natural":  # the data's own clients (data.dataset=files), not a partitioner's draw
+        local = natural_clients(bundle.clients, bundle.client_names, pool, cfg.min_client_size)
+    else:
+        partitioner = PARTITIONERS[cfg.scheme]
+        local = partitioner(labels[pool], bundle.num_classes, _stream(seed, "scheme"), **cfg.partitioner_params())
     k = len(local)
     if k == 0:
         raise DataError(f"partition scheme {cfg.scheme} produced no clients.")
@@ -60,6 +67,9 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
                       opt_out=bool(opt_out[i]), transform=transforms[i])
         for i, positions in enumerate(local)
     )
+    if cfg.scheme == "natural":
+        for line in unseen_test_classes(clients, labels, bundle.class_names, bundle.client_names):
+            log.warning("%s", line)
     return Partition(
         dataset=bundle.name,
         fingerprint=bundle.fingerprint,
@@ -69,6 +79,7 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
         pool_size=labels.size,
         clients=clients,
         global_test_indices=holdout,
+        client_names=bundle.client_names if cfg.scheme == "natural" else (),
     )
 
 

@@ -61,6 +61,7 @@ class Partition:
     pool_size: int  # len(bundle.train); every index is below it
     clients: tuple[ClientSplit, ...]
     global_test_indices: np.ndarray | None  # rows of bundle.train; None: the official test split
+    client_names: tuple[str, ...] = ()  # natural partition: client i is the data's client_names[i]; else ()
 
     @property
     def num_clients(self) -> int:
@@ -123,6 +124,7 @@ class Partition:
             "scheme": self.config.model_dump(mode="json"),
             "num_clients": self.num_clients,
             "global_test": global_test,
+            **({"client_names": list(self.client_names)} if self.client_names else {}),
             "clients": [
                 {
                     "id": int(c.id),
@@ -171,6 +173,7 @@ class Partition:
             pool_size=model.pool_size,
             clients=clients,
             global_test_indices=None if gt.indices is None else _as_index_array(gt.indices),
+            client_names=tuple(model.client_names),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -251,7 +254,14 @@ class _Manifest(_ManifestPart):
     scheme: PartitionConfig  # a config section: validated by its own (lax) rules
     num_clients: int = Field(ge=1)
     global_test: _GlobalTestManifest
+    client_names: list[Annotated[str, Field(min_length=1, max_length=1024)]] = []  # natural partition only
     clients: list[_ClientManifest] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _named_clients(self) -> _Manifest:
+        if self.client_names and len(self.client_names) != len(self.clients):
+            raise ValueError(f"client_names has {len(self.client_names)} entries but there are {len(self.clients)} clients")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> _Manifest:

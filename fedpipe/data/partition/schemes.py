@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import numpy as np
 from pydantic import Field, TypeAdapter
@@ -20,6 +20,7 @@ from fedpipe.data.partition.label_skew import (
     pathological_shards,
     random_class_shares,
 )
+from fedpipe.data.partition.natural import NaturalPartition
 from fedpipe.data.partition.sampling import IidPartition, WithReplacementPartition, iid, with_replacement
 from fedpipe.data.partition.semantic import SemanticGroupsPartition, semantic_groups
 
@@ -33,12 +34,18 @@ PartitionConfig = Annotated[
         | RandomClassSharesPartition
         | SemanticGroupsPartition
         | WithReplacementPartition
+        | NaturalPartition
     ),
     Field(discriminator="scheme"),
 ]
 """The `partition` config section: one of the schemes, chosen by its `scheme` field."""
 
 _CONFIG_ADAPTER: TypeAdapter[Any] = TypeAdapter(PartitionConfig)
+
+#: Scheme name -> its config class (the members of the PartitionConfig union).
+SCHEME_CONFIGS: dict[str, type[_PartitionBase]] = {
+    cls.model_fields["scheme"].default: cls for cls in get_args(get_args(PartitionConfig)[0])
+}
 
 
 def parse_partition_config(data: Any) -> Any:

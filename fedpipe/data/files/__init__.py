@@ -1,0 +1,166 @@
+"""A user's own federated data (`data.dataset: files`): the clients as the files give them.
+
+`load_files(source, ...)` reads the folder or S3 prefix `source` (a final `latest` segment: its newest
+sub-prefix by name) in the layout its manifest (`fedpipe-data.yaml`, `manifest.py`) names, checks every
+file and row, and returns a `DatasetBundle` whose `clients` array is the natural partition and whose
+`snapshot` names exactly what was read. `check_files` does the same reading and returns the statistics
+and every problem instead of stopping at the first error (`fedpipe data check`).
+
+The snapshot (`snapshot_of`) is a sha256 over every file under the source: its key, size and version
+(S3 ETag, or the sha256 of a local file's bytes), so it is known from a listing alone, before anything
+is decoded (a file the layout does not use counts too: what was there is what the run saw). A run records it in its config (`data.snapshot`), so it
+enters the run's id: new data is a new run, and the same data resumes the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import ValidationError
+
+from fedpipe.config import format_validation_error
+from fedpipe.data import DatasetBundle, LabeledArrays
+from fedpipe.data.files.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, DataManifest
+from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.errors import ConfigError, DataError
+from fedpipe.safe_load import parse_yaml
+from fedpipe.store.source import DataSource, SourceObject, open_source
+
+__all__ = ["DataCheck", "check_files", "current_snapshot", "load_files", "read_manifest", "snapshot_of"]
+
+
+@dataclass(frozen=True)
+class DataCheck:
+    """What `fedpipe data check` reports: the rows read (None when reading stopped early), the manifest,
+    the snapshot, the bytes on disk and every problem."""
+
+    source: str
+    manifest: DataManifest | None
+    rows: ClientRows | None
+    snapshot: dict | None
+    problems: Problems
+
+
+def read_manifest(source: DataSource, objects: list[SourceObject]) -> DataManifest:
+    """The source's fedpipe-data.yaml, bounded and validated; a DataError saying how to make one."""
+    entry = next((o for o in objects if o.key == MANIFEST_NAME), None)
+    if entry is None:
+        raise DataError(
+            f"{source.url()} has no {MANIFEST_NAME}, the file that says how the data is laid out. Write one with "
+            f"`fedpipe data init {source.url()}` (it looks at the files and proposes the layout, the columns and "
+            "the label names), check it, and run again."
+        )
+    text = source.read(entry, MANIFEST_MAX_BYTES).decode("utf-8", errors="replace")
+    try:
+        tree = parse_yaml(text, source.url(MANIFEST_NAME), "data manifest")  # bounded size, depth and nodes
+        return DataManifest.model_validate(tree or {})
+    except ValidationError as exc:
+        raise DataError(f"{source.url(MANIFEST_NAME)} is not a valid data manifest: {format_validation_error(exc)}") from None
+    except ConfigError as exc:
+        raise DataError(f"{exc} Fix it, or rewrite it with `fedpipe data init`.") from None
+
+
+def snapshot_of(source: DataSource, objects: list[SourceObject]) -> dict:
+    """What a run read: the source URL, a sha256 over every object's key, size and version (in key order),
+    how many objects and how many bytes."""
+    digest = hashlib.sha256()
+    for o in sorted(objects, key=lambda o: o.key):
+        digest.update(f"{o.key}\0{o.size}\0{o.version}\n".encode())
+    return {"source": source.url(), "digest": digest.hexdigest(), "objects": len(objects),
+            "bytes": int(sum(o.size for o in objects))}
+
+
+def current_snapshot(url: str) -> dict:
+    """The snapshot of what is under `url` now, from a listing alone (`latest` resolved: its "source" is
+    the dated prefix actually read)."""
+    source = open_source(url)
+    return snapshot_of(source, source.list())
+
+
+def _read(source: DataSource, manifest: DataManifest, objects: list[SourceObject], image_size: int | None,
+          problems: Problems) -> tuple[ClientRows | None, list[SourceObject]]:
+    """The rows of the manifest's layout and the objects they came from (the manifest included)."""
+    from fedpipe.data.files import images, tables
+
+    reader = images.read_image_folders if manifest.source.layout == "image_folders" else tables.read_table
+    used = [o for o in objects if o.key == MANIFEST_NAME]
+    rows, read = reader(source, objects, manifest, image_size, problems)
+    return rows, used + read
+
+
+def check_files(url: str, image_size: int | None = None) -> DataCheck:
+    """Read the source as a run would and return every problem found instead of raising on the first."""
+    source = open_source(url)
+    objects = source.list()
+    problems = Problems()
+    try:
+        manifest = read_manifest(source, objects)
+    except DataError as exc:
+        problems.error("manifest", source.url(MANIFEST_NAME), str(exc))
+        return DataCheck(source.url(), None, None, None, problems)
+    rows, used = _read(source, manifest, objects, image_size, problems)
+    if rows is not None:
+        _check_rows(rows, manifest, problems)
+    return DataCheck(source.url(), manifest, rows, snapshot_of(source, objects), problems)
+
+
+def load_files(url: str, image_size: int | None = None, expected_snapshot: str | None = None) -> DatasetBundle:
+    """The bundle of a user's federated data; a DataError listing every error found (nothing is written
+    before a run has its data). `expected_snapshot`: the digest the run recorded; data that changed since
+    is an error, not a silent mix."""
+    check = check_files(url, image_size)
+    check.problems.raise_if_errors(check.source)
+    rows, manifest, snapshot = check.rows, check.manifest, check.snapshot
+    assert rows is not None and manifest is not None and snapshot is not None
+    if expected_snapshot and snapshot["digest"] != expected_snapshot:
+        raise DataError(
+            f"The data under {check.source} changed since this run recorded it (data.snapshot={expected_snapshot[:12]}..., "
+            f"now {snapshot['digest'][:12]}...): a run reads one snapshot. Start a new run on the new data (leave "
+            "data.snapshot unset; fedpipe records it), or restore the files the run was made from."
+        )
+    for w in check.problems.summary("warning"):
+        import logging
+
+        logging.getLogger(__name__).warning("%s: %s", check.source, w)
+    train = LabeledArrays(rows.x, rows.y)
+    digest = hashlib.sha256()
+    for a in (rows.x, rows.y, rows.clients):
+        digest.update(np.ascontiguousarray(a).data)
+    return DatasetBundle(
+        name="files", train=train, test=None, num_classes=len(manifest.labels), class_names=manifest.labels,
+        fingerprint=digest.hexdigest(), vocab_size=rows.vocab_size, clients=rows.clients,
+        client_names=rows.client_names, snapshot=snapshot,
+    )
+
+
+def _check_rows(rows: ClientRows, manifest: DataManifest, problems: Problems) -> None:
+    """Checks across files: the same sample under two clients (a leak between clients' splits)."""
+    if len(rows.y) == 0:
+        problems.error("no samples", "the source", "no sample could be read; check the layout in the manifest")
+        return
+    flat = np.ascontiguousarray(rows.x).reshape(len(rows.y), -1).view(np.uint8)
+    hashes = _row_hashes(flat)
+    order = np.argsort(hashes, kind="stable")
+    same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])  # candidates, confirmed byte for byte below
+    first_of: dict[int, int] = {}
+    for k in same:
+        i, j = int(order[k]), int(order[k + 1])
+        first = first_of.setdefault(i, i)
+        if np.array_equal(flat[first], flat[j]):
+            first_of[j] = first
+            if rows.clients[first] != rows.clients[j]:
+                problems.warning("duplicated across clients", rows.where(j),
+                                 f"the same input as {rows.where(first)} (client {rows.client_names[rows.clients[first]]!r}); "
+                                 "a sample held by two clients can sit in one's train and the other's test split")
+
+
+def _row_hashes(flat: np.ndarray, chunk: int = 8192) -> np.ndarray:
+    """A 64-bit hash of each row's bytes (a random linear form, wrapping), in chunks: a million rows cost
+    8 MB of hashes and a chunk's product, not a copy of the data."""
+    weights = np.random.default_rng(0x5EED).integers(1, 2**63, size=flat.shape[1], dtype=np.uint64) | np.uint64(1)
+    out = np.empty(flat.shape[0], dtype=np.uint64)
+    for start in range(0, flat.shape[0], chunk):
+        out[start : start + chunk] = (flat[start : start + chunk].astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+    return out

@@ -1,0 +1,181 @@
+"""The `image_folders` layout: `<source>/<client>/<label>/<image>`, PNG or JPEG files decoded by Pillow.
+
+Every file is read on its own (bounded by MAX_IMAGE_BYTES, its version checked) and decoded straight into
+one preallocated uint8 array, so memory holds the decoded dataset and one file, never every file's bytes.
+A decoder of someone else's files refuses, as an error naming the file: a format other than PNG or JPEG,
+an image whose header claims more than MAX_IMAGE_PIXELS pixels (a decompression bomb: a small file that
+inflates to gigabytes), a truncated or corrupt file, and (without data.image_size) a size that differs
+from the others'.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import PurePosixPath
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from fedpipe.data.files.manifest import IMAGE_EXTENSIONS, MANIFEST_NAME, DataManifest
+from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.errors import DataError
+from fedpipe.store.source import DataSource, SourceObject
+
+__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "ImageStack", "decode_image", "read_image_folders"]
+
+MAX_IMAGE_BYTES = 64 * 2**20  # one image file: a 64 MiB PNG or JPEG is far above a training image
+MAX_IMAGE_PIXELS = 64_000_000  # 64 megapixels: decoded, 192 MB as RGB; larger is a bomb, not a sample
+PROGRESS_FROM = 1000  # files: show a progress bar when reading more
+_FORMATS = ("PNG", "JPEG")
+_MODES = {1: "L", 3: "RGB"}
+
+
+def _open(data: bytes, where: str, problems: Problems) -> Image.Image | None:
+    """The image `data` holds, its header read but not decoded; None (an error recorded) when it is not a
+    PNG or JPEG or claims too many pixels."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # bounded below, more tightly
+            img = Image.open(io.BytesIO(data), formats=_FORMATS)
+    except Image.DecompressionBombError:
+        problems.error("image too large", where, f"claims more than {MAX_IMAGE_PIXELS:,} pixels (a decompression bomb, "
+                       "or an image far larger than a model's input); shrink or remove it")
+        return None
+    except UnidentifiedImageError:
+        problems.error("not a PNG or JPEG", where, "is not a PNG or JPEG file (by its content, whatever its name); "
+                       "convert it, or remove it")
+        return None
+    except Exception as exc:  # noqa: BLE001 - a header too broken to read
+        problems.error("unreadable image", where, f"is an unreadable or truncated image ({type(exc).__name__}: "
+                       f"{str(exc)[:200]}); re-export it, or remove it")
+        return None
+    w, h = img.size
+    if w * h > MAX_IMAGE_PIXELS:
+        problems.error("image too large", where, f"claims {w}x{h} pixels ({w * h:,}), more than the {MAX_IMAGE_PIXELS:,} "
+                       "fedpipe decodes (a decompression bomb, or an image far larger than a model's input); shrink or remove it")
+        return None
+    return img
+
+
+def decode_image(data: bytes, where: str, channels: int, image_size: int | None, problems: Problems) -> np.ndarray | None:
+    """The uint8 array (C, H, W) of a PNG or JPEG file's bytes, converted to `channels` (1: grayscale, 3: RGB)
+    and resized (bilinear) to image_size x image_size when given; None, with an error in `problems` naming
+    `where`, when it cannot be decoded. Without image_size the image keeps its own size: `ImageStack` checks
+    that every image shares one."""
+    img = _open(data, where, problems)
+    if img is None:
+        return None
+    try:
+        img.load()  # a truncated or corrupt file raises here
+        img = ImageOps.exif_transpose(img)  # a photo's orientation tag, applied as a viewer would
+        img = img.convert(_MODES[channels])
+        if image_size is not None and img.size != (image_size, image_size):
+            img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
+        array = np.asarray(img, dtype=np.uint8)
+    except Exception as exc:  # noqa: BLE001 - any failure of a decoder on someone else's file is "unreadable"
+        problems.error("unreadable image", where, f"is an unreadable or truncated image ({type(exc).__name__}: "
+                       f"{str(exc)[:200]}); re-export it, or remove it")
+        return None
+    array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
+    return np.ascontiguousarray(array)
+
+
+class ImageStack:
+    """Decoded images in one preallocated uint8 array [n, C, H, W] (grown by doubling when `capacity` was too
+    small). Without image_size the first image fixes the size; a differing one is an error naming it."""
+
+    def __init__(self, channels: int, image_size: int | None, capacity: int = 1024):
+        self.channels, self.image_size = channels, image_size
+        self.capacity = max(1, int(capacity))
+        self.count = 0
+        self._x: np.ndarray | None = None
+        self._first = ""  # where the image that fixed the size came from
+
+    def add(self, data: bytes, where: str, problems: Problems) -> bool:
+        """Decode `data` into the next row; False (an error recorded) when it cannot be used."""
+        img = decode_image(data, where, self.channels, self.image_size, problems)
+        if img is None:
+            return False
+        if self._x is None:
+            self._x = np.empty((self.capacity, *img.shape), dtype=np.uint8)
+            self._first = where
+        elif img.shape != self._x.shape[1:]:
+            (h, w), (ch, cw) = img.shape[1:], self._x.shape[2:]
+            problems.error("differing image sizes", where, f"is {w}x{h} pixels but the images before it are {cw}x{ch} "
+                           f"(the first: {self._first}); set data.image_size to resize every image to one size, "
+                           "or resize the files")
+            return False
+        if self.count == len(self._x):
+            grown = np.empty((2 * len(self._x), *self._x.shape[1:]), dtype=np.uint8)
+            grown[: self.count] = self._x
+            self._x = grown
+        self._x[self.count] = img
+        self.count += 1
+        return True
+
+    def array(self) -> np.ndarray:
+        """The images added, [count, C, H, W] (an empty array when none)."""
+        if self._x is None:
+            side = self.image_size or 0
+            return np.zeros((0, self.channels, side, side), dtype=np.uint8)
+        return self._x if self.count == len(self._x) else self._x[: self.count].copy()
+
+
+def _select(source: DataSource, objects: list[SourceObject], manifest: DataManifest,
+            problems: Problems) -> list[tuple[SourceObject, str, int]]:
+    """The image files of the layout, each with its client and class; a warning for every other file and
+    one error per label folder the manifest does not list."""
+    index = {name: i for i, name in enumerate(manifest.labels)}
+    chosen, unknown = [], {}
+    for obj in objects:
+        if obj.key == MANIFEST_NAME:
+            continue
+        parts = obj.key.split("/")
+        if PurePosixPath(obj.key).suffix.lower() not in IMAGE_EXTENSIONS:
+            problems.warning("not an image", source.url(obj.key), "not a .png, .jpg or .jpeg file: skipped")
+        elif len(parts) != 3:
+            problems.warning("not an image", source.url(obj.key), "not in a <client>/<label>/ folder: skipped")
+        elif parts[1] not in index:
+            folder = f"{parts[0]}/{parts[1]}"
+            unknown[folder] = unknown.get(folder, 0) + 1
+        else:
+            chosen.append((obj, parts[0], index[parts[1]]))
+    for folder, n in unknown.items():
+        problems.error("unknown label", source.url(folder),
+                       f"the label folder {folder.split('/')[1]!r} ({n} file(s)) is not one of the manifest's labels; "
+                       f"add it to labels in {MANIFEST_NAME}, or move its files into a listed label's folder")
+    return chosen
+
+
+def read_image_folders(source: DataSource, objects: list[SourceObject], manifest: DataManifest, image_size: int | None,
+                       problems: Problems) -> tuple[ClientRows | None, list[SourceObject]]:
+    """The rows of `<client>/<label>/<image>` files and the objects they came from; every problem recorded."""
+    from tqdm import tqdm
+
+    chosen = _select(source, objects, manifest, problems)
+    client_names = sorted({client for _, client, _ in chosen})
+    client_index = {name: i for i, name in enumerate(client_names)}
+    stack = ImageStack(manifest.source.channels, image_size, len(chosen))
+    y = np.empty(len(chosen), dtype=np.int64)
+    clients = np.empty(len(chosen), dtype=np.int64)
+    used: list[SourceObject] = []
+    progress = tqdm(chosen, desc="reading images", unit="file", disable=None if len(chosen) > PROGRESS_FROM else True)
+    for obj, client, label in progress:
+        where = source.url(obj.key)
+        try:
+            data = source.read(obj, MAX_IMAGE_BYTES)
+        except DataError as exc:
+            problems.error("unreadable file", where, str(exc))
+            continue
+        if stack.add(data, where, problems):
+            y[len(used)], clients[len(used)] = label, client_index[client]
+            used.append(obj)
+    n = len(used)
+    present = np.unique(clients[:n])  # clients with at least one image read, in name order
+    keys = [o.key for o in used]
+    rows = ClientRows(
+        x=stack.array(), y=y[:n].copy(), clients=np.searchsorted(present, clients[:n]).astype(np.int64),
+        client_names=tuple(client_names[i] for i in present), where=lambda i: source.url(keys[i]),
+    )
+    return rows, used

@@ -1,0 +1,132 @@
+"""`fedpipe data init SOURCE`: look at a user's files and propose their manifest (`fedpipe-data.yaml`).
+
+Tables (.parquet or .csv files at the top of the source) are described by `tables.infer_table_manifest`;
+otherwise files laid out as `<client>/<label>/<image>` give the `image_folders` layout, with the label
+folders' names as the labels (in numeric order when every name is an integer) and one channel when every
+sampled image is grayscale. The manifest is written with a comment on every field, to be checked and
+edited by hand; an existing one is only replaced when asked (`force`).
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import PurePosixPath
+
+import numpy as np
+import yaml
+
+from fedpipe.data.files.manifest import (
+    IMAGE_EXTENSIONS,
+    MANIFEST_NAME,
+    TABLE_EXTENSIONS,
+    DataManifest,
+    ImageFoldersLayout,
+)
+from fedpipe.data.files.rows import Problems
+from fedpipe.errors import DataError
+from fedpipe.store.source import DataSource, SourceObject, open_source
+
+__all__ = ["init_manifest", "manifest_yaml", "write_manifest"]
+
+SAMPLED_IMAGES = 50  # images decoded to tell grayscale from colour
+_INTEGER = re.compile(r"-?\d+")
+
+
+def init_manifest(url: str, client_column: str | None = None, label_column: str | None = None) -> tuple[DataManifest, str]:
+    """The manifest proposed for the data under `url`, and the URL it would be written to (in the resolved
+    source: `.../latest` names the newest drop). Tables: `client_column` / `label_column` name the
+    columns when their names are not the usual ones."""
+    source = open_source(url)
+    objects = source.list()
+    tables = [o for o in objects if "/" not in o.key and o.key.lower().endswith(TABLE_EXTENSIONS)]
+    if tables:
+        from fedpipe.data.files.tables import infer_table_manifest
+
+        manifest = infer_table_manifest(source, objects, client_column=client_column, label_column=label_column)
+    else:
+        manifest = _infer_image_folders(source, objects)
+    return manifest, source.url(MANIFEST_NAME)
+
+
+def write_manifest(url: str, manifest: DataManifest, force: bool = False) -> str:
+    """Write `manifest` (with its comment header) as the fedpipe-data.yaml of the source `url`; returns where.
+    An existing manifest is a DataError unless `force`."""
+    source = open_source(url)
+    if not force and source.exists(MANIFEST_NAME):
+        raise DataError(
+            f"{source.url(MANIFEST_NAME)} already exists: edit it by hand, or replace it with `fedpipe data init "
+            "--force` (its edits are then lost)."
+        )
+    return source.write(MANIFEST_NAME, manifest_yaml(manifest).encode("utf-8"))
+
+
+def _label_order(names: set[str]) -> list[str]:
+    """Label folder names in class order: numeric when every one is an integer, else by name."""
+    if all(_INTEGER.fullmatch(n) for n in names):
+        return sorted(names, key=lambda n: (int(n), n))
+    return sorted(names)
+
+
+def _infer_image_folders(source: DataSource, objects: list[SourceObject]) -> DataManifest:
+    images = [o for o in objects if len(o.key.split("/")) == 3 and PurePosixPath(o.key).suffix.lower() in IMAGE_EXTENSIONS]
+    if not images:
+        raise DataError(
+            f"{source.url()} holds neither tables (.parquet or .csv files at its top) nor images laid out as "
+            "<client>/<label>/<image> (.png, .jpg or .jpeg files), so `fedpipe data init` cannot propose a layout. "
+            f"Arrange the files in one of these layouts, or write {MANIFEST_NAME} by hand."
+        )
+    labels = _label_order({o.key.split("/")[1] for o in images})
+    if len(labels) < 2:
+        raise DataError(
+            f"{source.url()} has images under a single label folder ({labels[0]!r}); a classification needs at "
+            "least two labels, as <client>/<label>/<image> folders."
+        )
+    channels = 1 if _all_grayscale(source, images) else 3
+    return DataManifest(source=ImageFoldersLayout(channels=channels), labels=tuple(labels))
+
+
+def _all_grayscale(source: DataSource, images: list[SourceObject]) -> bool:
+    """True when every readable image of an even sample across the files has equal R, G and B."""
+    from fedpipe.data.files.images import MAX_IMAGE_BYTES, decode_image
+
+    step = max(1, len(images) // SAMPLED_IMAGES)
+    seen = 0
+    for obj in images[::step][:SAMPLED_IMAGES]:
+        try:
+            data = source.read(obj, MAX_IMAGE_BYTES)
+        except DataError:
+            continue  # `fedpipe data check` reports it
+        rgb = decode_image(data, source.url(obj.key), 3, None, Problems())
+        if rgb is None:
+            continue
+        if not (np.array_equal(rgb[0], rgb[1]) and np.array_equal(rgb[1], rgb[2])):
+            return False
+        seen += 1
+    return seen > 0
+
+
+def _comment(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(" ".join(text.split()), width=100, initial_indent=f"# {indent}", subsequent_indent=f"# {indent}  ")
+
+
+def manifest_yaml(manifest: DataManifest) -> str:
+    """The manifest as YAML, under a comment that explains each of its fields (from their documentation)."""
+    lines = [
+        f"# {MANIFEST_NAME}: how the files beside it are laid out, for a run with data.dataset: files.",
+        "# Proposed by `fedpipe data init` from a look at the files: check it, and edit it by hand where it is",
+        "# wrong. `fedpipe data check SOURCE` reads the data as a run would and lists every problem.",
+        "#",
+        "# format, version: which manifest this is (fedpipe-data, version 1); leave them as they are.",
+        "# source: how the files are laid out.",
+    ]
+    layout = manifest.source
+    for name, field in type(layout).model_fields.items():
+        lines += _comment(f"{name}: {field.description or ''}", "  ")
+    lines += _comment(f"labels: {DataManifest.model_fields['labels'].description}", "")
+    tree = manifest.model_dump(mode="json", exclude_none=True)
+    body = yaml.safe_dump(tree, sort_keys=False, allow_unicode=True, default_flow_style=False)
+    text = "\n".join(lines) + "\n\n" + body
+    if DataManifest.model_validate(yaml.safe_load(text)) != manifest:  # pragma: no cover - a dump that does not read back
+        raise AssertionError("the manifest does not read back as written")
+    return text

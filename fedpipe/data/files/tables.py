@@ -1,0 +1,603 @@
+"""The `table` layout: Parquet or CSV files, one row per sample, with a client column, a label column and
+the inputs (numeric feature columns, an image column, or a text column).
+
+Reading is bounded and streamed. A file's bytes come from the source with a bound (MAX_TABLE_BYTES); a
+Parquet file is read batch by batch (`ParquetFile.iter_batches`) into arrays preallocated from its
+metadata's row count, a CSV file batch by batch (`pyarrow.csv.open_csv`), every column it needs read as
+text and parsed here, so a stray word in a numeric column is a problem naming its row rather than a
+failed read. Columns become numpy arrays one at a time; no data frame is made.
+
+What a value means:
+
+- client: its text (integers as written: 3 -> "3"); the client names are sorted, each row holds the
+  index of its client's name. A missing or empty client is an error.
+- label: its text is looked up among the manifest's labels first; when it is not one of them, an integer
+  0 <= k < len(labels) stands for labels[k], unless the labels are themselves integers (then "3" means
+  the label named "3" and nothing else). Anything else, or a missing label, is an error.
+- features: numbers (integers, floats, booleans, or text holding numbers), as float32; a missing value,
+  NaN, an infinity or a number beyond float32's range is an error naming the file, the row and the column.
+- image: a path relative to the source (text; it must be one of the source's files, read with the bound
+  MAX_IMAGE_BYTES), or the encoded PNG/JPEG bytes (binary), decoded by `images.decode_image`.
+- text: tokenized as AG News is (`fedpipe.data.text.tokenize`), the vocabulary being the TEXT_VOCAB_SIZE - 2
+  most frequent words of ALL rows of the table. The split of each client's rows into train and test is
+  made later, from the natural partition; building the vocabulary first means test rows' words can be
+  in it (which words exist, never a label), the price of one vocabulary for every client and split.
+
+Rows are named "<file> row N": N counts a file's data rows from 1 (a CSV's header line not counted).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from fedpipe.data.files.manifest import TABLE_EXTENSIONS, DataManifest, TableLayout
+from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
+from fedpipe.errors import DataError
+from fedpipe.store.source import DataSource, SourceObject
+
+__all__ = ["infer_table_manifest", "read_table"]
+
+MAX_TABLE_BYTES = 4 * 2**30  # one table file; its bytes are held while it is read
+MAX_IMAGE_BYTES = 64 * 2**20  # one image a path column names
+BATCH_ROWS = 65_536  # rows converted at a time (Parquet)
+CSV_BLOCK_BYTES = 1 << 22  # bytes of CSV parsed at a time
+MAX_ROW_PROBLEMS = 1_000  # problems of one kind listed per file; the rest are counted
+INFER_ROWS = 10_000  # rows `infer_table_manifest` looks at to tell the columns apart
+ROW_NOTE = "(rows count from 1; a CSV's header line is not counted)"
+CLIENT_NAMES = ("client", "site", "device", "user", "writer", "hospital", "branch")
+LABEL_NAMES = ("label", "labels", "target", "class", "y")
+TEXT_NAMES = ("text", "sentence", "review")
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+# --- opening one table file ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Table:
+    """One opened table file: its column names and types (a CSV's inferred from its first block), its row
+    count when the metadata says it, and its batches of the named columns (a CSV's as text when `as_text`)."""
+
+    names: list[str]
+    types: dict[str, pa.DataType]
+    num_rows: int | None
+    batches: Callable[[list[str], bool], Iterator[pa.RecordBatch]]
+    typed: bool = True  # False for CSV: its values are read as text and parsed here, whatever was inferred
+
+
+def _open_table(data: bytes, key: str) -> _Table:
+    """Parse a table file's head: a Parquet footer, or a CSV header and first block (its types inferred)."""
+    if key.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        schema = pf.schema_arrow
+
+        def parquet_batches(columns: list[str], as_text: bool) -> Iterator[pa.RecordBatch]:
+            yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+
+        return _Table(list(schema.names), {f.name: f.type for f in schema}, pf.metadata.num_rows, parquet_batches)
+    import pyarrow.csv as pcsv
+
+    with pcsv.open_csv(pa.BufferReader(data)) as head:
+        schema = head.schema
+
+    def csv_batches(columns: list[str], as_text: bool) -> Iterator[pa.RecordBatch]:
+        convert = pcsv.ConvertOptions(
+            include_columns=columns, null_values=[""], strings_can_be_null=True,
+            column_types={c: pa.string() for c in columns} if as_text else None,
+        )
+        read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
+        with pcsv.open_csv(pa.BufferReader(data), read_options=read, convert_options=convert) as reader:
+            yield from reader
+
+    return _Table(list(schema.names), {f.name: f.type for f in schema}, None, csv_batches, typed=False)
+
+
+def _table_files(source: DataSource, objects: list[SourceObject], layout: TableLayout,
+                 problems: Problems) -> list[SourceObject]:
+    """The files the layout names (a missing one is an error), or every .parquet and .csv file in key order."""
+    if not layout.files:
+        found = [o for o in objects if o.key.lower().endswith(TABLE_EXTENSIONS)]
+        if not found:
+            problems.error("no table", source.url(), "no .parquet or .csv file under the source; the manifest's "
+                           "layout is `table` (name the files in its `files`, or put them under the source)")
+        return found
+    by_key = {o.key: o for o in objects}
+    chosen: list[SourceObject] = []
+    for name in dict.fromkeys(layout.files):
+        key = name.removeprefix("./")
+        if not key.lower().endswith(TABLE_EXTENSIONS):
+            problems.error("unknown table format", source.url(key), "a table file is .parquet or .csv")
+        elif key not in by_key:
+            problems.error("missing table", source.url(key), "the manifest's `files` names it, but the source "
+                           "has no such file (paths are relative to the source)")
+        else:
+            chosen.append(by_key[key])
+    return chosen
+
+
+# --- values ----------------------------------------------------------------------------------------
+
+
+def _text(col: pa.Array) -> pa.Array:
+    """A column's values as text (integers as written, 3.0 as "3"); nulls stay null."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if pa.types.is_string(col.type):
+        return col
+    return pc.cast(col, pa.string())
+
+
+def _is_scalar(t: pa.DataType) -> bool:
+    """A type whose values have a text form a client or a label can be: text, integers, floats, booleans."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+            or pa.types.is_floating(t) or pa.types.is_boolean(t))
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t)
+
+
+def _is_string(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 values, True where a text value is not a number); nulls and bad text are NaN."""
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    not_number = np.zeros(len(col), dtype=bool)
+    if _is_number(col.type):
+        return pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), not_number
+    col = pc.utf8_trim_whitespace(col)
+    try:
+        return pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), not_number
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    values = np.full(len(col), np.nan)
+    for i, v in enumerate(col.to_pylist()):  # slow path: only a batch holding text that is not a number
+        if v is not None:
+            try:
+                values[i] = float(v)
+            except ValueError:
+                not_number[i] = True
+    return values, not_number
+
+
+class _Names:
+    """Distinct values (client names) in order of first sight; each row gets its value's index."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    def rows(self, col: pa.Array) -> np.ndarray:
+        """int64 index per row; -1 where missing or empty."""
+        enc = _text(col).dictionary_encode()
+        lut = [self.index.setdefault(v, len(self.index)) if v else -1 for v in enc.dictionary.to_pylist()]
+        lut.append(-1)
+        return np.asarray(lut, dtype=np.int64)[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
+
+    def sorted(self, clients: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+        """The rows' indices into the sorted names, and those names."""
+        names = sorted(self.index)
+        remap = np.empty(max(len(names), 1), dtype=np.int64)
+        for i, name in enumerate(names):
+            remap[self.index[name]] = i
+        return remap[clients], tuple(names)
+
+
+class _Labels:
+    """A label's text -> its class index (the module docstring says how); -1 unknown, -2 missing."""
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.index = {name: i for i, name in enumerate(labels)}
+        self.by_position = not all(_INTEGER.fullmatch(x) for x in labels)
+
+    def of(self, value: str) -> int:
+        if value in self.index:
+            return self.index[value]
+        if self.by_position and _INTEGER.fullmatch(value) and 0 <= int(value) < len(self.labels):
+            return int(value)
+        return -1
+
+    def rows(self, texts: pa.Array) -> np.ndarray:
+        """int64 class per row of a text column: -1 where unknown, -2 where missing."""
+        enc = texts.dictionary_encode()
+        lut = np.asarray([self.of(v) for v in enc.dictionary.to_pylist()] + [-2], dtype=np.int64)
+        return lut[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
+
+    def expected(self) -> str:
+        shown = ", ".join(repr(x) for x in self.labels[:10]) + (", ..." if len(self.labels) > 10 else "")
+        also = f", or an index 0..{len(self.labels) - 1}" if self.by_position else ""
+        return f"the manifest's labels are {shown}{also}"
+
+
+# --- problems per file -----------------------------------------------------------------------------
+
+
+class _Report:
+    """Row problems of one file: each names "<file> row N"; past MAX_ROW_PROBLEMS of a kind they are counted."""
+
+    def __init__(self, problems: Problems, url: str) -> None:
+        self.problems, self.url, self.counts = problems, url, Counter[str]()
+        self.errors_before = len(problems.errors)
+
+    def rows(self, kind: str, rows: np.ndarray, offset: int, what: Callable[[int], str]) -> None:
+        """An error per row in `rows` (indices within a batch starting at file row `offset`)."""
+        room = max(0, MAX_ROW_PROBLEMS - self.counts[kind])
+        for r in rows[:room]:
+            self.problems.error(kind, f"{self.url} row {offset + int(r) + 1}", f"{what(int(r))} {ROW_NOTE}")
+        self.counts[kind] += len(rows)
+
+    def file(self, kind: str, what: str) -> None:
+        self.problems.error(kind, self.url, what)
+
+    def finish(self) -> bool:
+        """Count the problems not listed; True when this file had no error."""
+        for kind, n in self.counts.items():
+            if n > MAX_ROW_PROBLEMS:
+                self.problems.error(kind, self.url, f"{n - MAX_ROW_PROBLEMS} more rows like the ones above ({n} in all)")
+        return len(self.problems.errors) == self.errors_before
+
+
+# --- the inputs ------------------------------------------------------------------------------------
+
+
+class _Parts:
+    """One file's rows of an array, filled batch by batch: preallocated when the row count is known (a
+    Parquet file's metadata), else a list of batches joined at the end (CSV)."""
+
+    def __init__(self, rows: int | None, tail: tuple[int, ...], dtype: type) -> None:
+        self.tail, self.dtype, self.pos = tail, dtype, 0
+        self.buf = np.empty((rows, *tail), dtype=dtype) if rows is not None else None
+        self.parts: list[np.ndarray] = []
+
+    def take(self, k: int) -> np.ndarray:
+        """A writable array for the next k rows."""
+        if self.buf is not None and self.pos + k <= len(self.buf):
+            out = self.buf[self.pos:self.pos + k]
+        else:
+            out = np.empty((k, *self.tail), dtype=self.dtype)
+            self.parts.append(out)
+        self.pos += k
+        return out
+
+    def done(self) -> np.ndarray:
+        if self.buf is not None and not self.parts:
+            return self.buf[: self.pos]
+        head = [self.buf[: min(self.pos, len(self.buf))]] if self.buf is not None else []
+        return np.concatenate(head + self.parts) if head or self.parts else np.empty((0, *self.tail), self.dtype)
+
+
+def _feature_batch(batch: pa.RecordBatch, features: tuple[str, ...], out: np.ndarray, report: _Report,
+                   offset: int) -> None:
+    """Fill out[:, j] with feature j of the batch; every missing, non-finite or non-number value is a row error."""
+    for j, name in enumerate(features):
+        col = batch.column(name)
+        values, not_number = _numbers(col)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[:, j] = values
+        if not_number.any():
+            report.rows("not a number", np.flatnonzero(not_number), offset,
+                        lambda r, c=col, n=name: f"column {n!r} holds {c[r].as_py()!r}, not a number")
+            out[not_number, j] = 0.0  # reported; not reported again as non-finite
+    bad_rows, bad_cols = np.nonzero(~np.isfinite(out))
+    for r, j in zip(bad_rows[:MAX_ROW_PROBLEMS].tolist(), bad_cols[:MAX_ROW_PROBLEMS].tolist(), strict=True):
+        v = batch.column(features[j])[r].as_py()
+        shown = "missing" if v is None else f"{v!r}, not a finite float32"
+        report.rows("bad feature value", np.asarray([r]), offset, lambda _r, f=features[j], s=shown: f"feature {f!r} is {s}")
+    if len(bad_rows) > MAX_ROW_PROBLEMS:
+        report.counts["bad feature value"] += len(bad_rows) - MAX_ROW_PROBLEMS
+
+
+class _Images:
+    """The image column: paths relative to the source, or encoded bytes; decoded as the row is read."""
+
+    def __init__(self, source: DataSource, objects: list[SourceObject], layout: TableLayout,
+                 image_size: int | None) -> None:
+        from fedpipe.data.files.images import ImageStack
+
+        self.source, self.by_key, self.column = source, {o.key: o for o in objects}, layout.image_column
+        self.stack = ImageStack(layout.channels, image_size)
+        self.used: dict[str, SourceObject] = {}
+
+    def batch(self, batch: pa.RecordBatch, report: _Report, offset: int) -> None:
+        for r, value in enumerate(batch.column(self.column).to_pylist()):
+            where = f"{report.url} row {offset + r + 1}"
+            data = self._bytes(value, r, report, offset)
+            if data is None:
+                continue
+            if isinstance(value, str):
+                where = f"{self.source.url(value.removeprefix('./'))} ({where})"
+            self.stack.add(data, where, report.problems)
+
+    def _bytes(self, value: str | bytes | None, r: int, report: _Report, offset: int) -> bytes | None:
+        row = np.asarray([r])
+        if value is None or len(value) == 0:
+            report.rows("missing image", row, offset, lambda _r: f"column {self.column!r} is empty")
+            return None
+        if isinstance(value, bytes):
+            return value
+        obj = self.by_key.get(value.removeprefix("./"))
+        if obj is None:
+            report.rows("missing image", row, offset, lambda _r: f"image {value!r} is not a file under the source "
+                        "(a path in an image column is relative to the source)")
+            return None
+        try:
+            data = self.source.read(obj, MAX_IMAGE_BYTES)
+        except DataError as exc:
+            message = str(exc)
+            report.rows("unreadable image", row, offset, lambda _r: message)
+            return None
+        self.used[obj.key] = obj
+        return data
+
+
+class _Texts:
+    """The text column: each row's words, encoded once every row is read (one vocabulary for the table)."""
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+        self.words: list[list[str]] = []
+
+    def batch(self, batch: pa.RecordBatch, report: _Report, offset: int) -> None:
+
+        values = _text(batch.column(self.column)).to_pylist()
+        missing = np.asarray([i for i, v in enumerate(values) if v is None], dtype=np.int64)
+        if len(missing):
+            report.rows("missing text", missing, offset, lambda _r: f"column {self.column!r} is empty")
+        self.words += [tokenize(v) if v is not None else [] for v in values]
+
+    def result(self) -> np.ndarray:
+
+        vocabulary = build_vocabulary(self.words, TEXT_VOCAB_SIZE)  # every row: see the module docstring
+        return encode(self.words, vocabulary, TEXT_MAX_LENGTH)
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Read:
+    """What the files gave so far: per file its arrays, and the rows' file boundaries."""
+
+    clients: _Names
+    labels: _Labels
+    x: list[np.ndarray]
+    y: list[np.ndarray]
+    c: list[np.ndarray]
+    urls: list[str]
+    starts: list[int]
+    total: int = 0
+
+
+def _required(layout: TableLayout) -> list[str]:
+    inputs = list(layout.features) or [layout.image_column or layout.text_column]  # type: ignore[list-item]
+    return list(dict.fromkeys([layout.client_column, layout.label_column, *inputs]))
+
+
+def _schema_problems(table: _Table, layout: TableLayout, report: _Report) -> bool:
+    """Errors for missing columns and for columns whose type cannot mean what the manifest says; True if any."""
+    missing = [c for c in _required(layout) if c not in table.types]
+    if missing:
+        report.file("missing column", f"no column {', '.join(map(repr, missing))} (the manifest names it); the file "
+                    f"has {', '.join(map(repr, table.names[:50]))}{', ...' if len(table.names) > 50 else ''}")
+        return True
+    if not table.typed:
+        return False
+    wrong = [(c, "text, integers or floats") for c in (layout.client_column, layout.label_column)
+             if not _is_scalar(table.types[c])]
+    wrong += [(c, "numbers") for c in layout.features if not (_is_number(table.types[c]) or _is_string(table.types[c]))]
+    if layout.image_column and not (_is_string(table.types[layout.image_column])
+                                    or pa.types.is_binary(table.types[layout.image_column])
+                                    or pa.types.is_large_binary(table.types[layout.image_column])):
+        wrong.append((layout.image_column, "paths (text) or image bytes (binary)"))
+    if layout.text_column and not _is_string(table.types[layout.text_column]):
+        wrong.append((layout.text_column, "text"))
+    for column, expected in wrong:
+        report.file("wrong column type", f"column {column!r} has type {table.types[column]}; it must hold {expected}")
+    return bool(wrong)
+
+
+def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, inputs: _Images | _Texts | None,
+               read: _Read, problems: Problems) -> None:
+    """Read one table file into `read` (its rows are added only when it had no error)."""
+    report = _Report(problems, source.url(obj.key))
+    try:
+        table = _open_table(source.read(obj, MAX_TABLE_BYTES), obj.key)
+    except DataError as exc:
+        return report.file("unreadable table", str(exc))
+    except (pa.ArrowException, OSError) as exc:
+        return report.file("unreadable table", f"not a readable {obj.key.rsplit('.', 1)[-1]} file: {exc}")
+    if _schema_problems(table, layout, report):
+        return None
+    n = table.num_rows
+    x = _Parts(n, (len(layout.features),), np.float32) if layout.features else None
+    y, c = _Parts(n, (), np.int64), _Parts(n, (), np.int64)
+    offset = 0
+    try:
+        for batch in table.batches(_required(layout), True):
+            _rows_batch(batch, layout, read, report, offset, y.take(len(batch)), c.take(len(batch)))
+            if x is not None:
+                _feature_batch(batch, layout.features, x.take(len(batch)), report, offset)
+            if inputs is not None:
+                inputs.batch(batch, report, offset)
+            offset += len(batch)
+    except (pa.ArrowException, OSError) as exc:
+        return report.file("unreadable table", f"reading stopped after {offset} rows: {exc}")
+    if report.finish():
+        read.x += [x.done()] if x is not None else []
+        read.y.append(y.done())
+        read.c.append(c.done())
+    read.urls.append(report.url)
+    read.starts.append(read.total)
+    read.total += offset
+    return None
+
+
+def _rows_batch(batch: pa.RecordBatch, layout: TableLayout, read: _Read, report: _Report, offset: int,
+                y: np.ndarray, c: np.ndarray) -> None:
+    """Fill a batch's labels and clients; a missing client, a missing or unknown label is a row error."""
+    c[:] = read.clients.rows(batch.column(layout.client_column))
+    report.rows("missing client", np.flatnonzero(c < 0), offset,
+                lambda _r: f"client column {layout.client_column!r} is empty")
+    labels = _text(batch.column(layout.label_column))
+    y[:] = read.labels.rows(labels)
+    report.rows("missing label", np.flatnonzero(y == -2), offset,
+                lambda _r: f"label column {layout.label_column!r} is empty")
+    report.rows("unknown label", np.flatnonzero(y == -1), offset,
+                lambda r: f"label {labels[r].as_py()!r} is not a label of the manifest; {read.labels.expected()}")
+
+
+def _where(urls: list[str], starts: list[int]) -> Callable[[int], str]:
+    """Row i of the whole table -> "<file> row N", found from the files' first rows (no list of strings)."""
+    first = np.asarray(starts, dtype=np.int64)
+
+    def where(i: int) -> str:
+        f = int(np.searchsorted(first, i, side="right")) - 1
+        return f"{urls[f]} row {i - int(first[f]) + 1}"
+
+    return where
+
+
+def read_table(source: DataSource, objects: list[SourceObject], manifest: DataManifest, image_size: int | None,
+               problems: Problems) -> tuple[ClientRows | None, list[SourceObject]]:
+    """Every row of the table files, or None when any error was found (each is in `problems`), and the
+    objects read (table files, and the images a path column names)."""
+    layout = manifest.source
+    assert isinstance(layout, TableLayout)
+    errors_before = len(problems.errors)
+    files = _table_files(source, objects, layout, problems)
+    inputs: _Images | _Texts | None = None
+    if layout.image_column:
+        inputs = _Images(source, objects, layout, image_size)
+    elif layout.text_column:
+        inputs = _Texts(layout.text_column)
+    read = _Read(_Names(), _Labels(manifest.labels), [], [], [], [], [])
+    for obj in files:
+        _read_file(source, obj, layout, inputs, read, problems)
+    used = files + (list(inputs.used.values()) if isinstance(inputs, _Images) else [])
+    where = _where(read.urls, read.starts)
+    if len(problems.errors) > errors_before or not files:
+        return None, used
+    if isinstance(inputs, _Images):
+        x = inputs.stack.array()
+    elif isinstance(inputs, _Texts):
+        x = inputs.result()
+    else:
+        x = _join(read.x, (0, len(layout.features)), np.float32)
+    clients, names = read.clients.sorted(_join(read.c, (0,), np.int64))
+    vocab = None
+    if layout.text_column:
+
+        vocab = TEXT_VOCAB_SIZE
+    return ClientRows(x, _join(read.y, (0,), np.int64), clients, names, where, vocab), used
+
+
+def _join(parts: list[np.ndarray], empty: tuple[int, ...], dtype: type) -> np.ndarray:
+    """The files' arrays as one (no copy for a single file)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.empty(empty, dtype=dtype)
+
+
+# --- proposing a manifest --------------------------------------------------------------------------
+
+
+def _pick(names: list[str], given: str | None, candidates: tuple[str, ...], what: str, flag: str) -> str:
+    """The column `given` names, else the first of `candidates` (case-insensitive); a DataError asking for `flag`."""
+    if given is not None:
+        if given not in names:
+            raise DataError(f"there is no column {given!r} to be the {what} column; the columns are "
+                            f"{', '.join(map(repr, names))}")
+        return given
+    lower = {n.lower(): n for n in reversed(names)}
+    for candidate in candidates:
+        if candidate in lower:
+            return lower[candidate]
+    raise DataError(f"no column is named as a {what} column usually is ({', '.join(candidates)}); say which one "
+                    f"it is with {flag} COLUMN. The columns are {', '.join(map(repr, names))}")
+
+
+def _inputs(table: _Table, sample: pa.Table, taken: set[str]) -> dict:
+    """The inputs the sample suggests: a text column, else an image column, else every numeric column."""
+    rest = [n for n in table.names if n not in taken]
+    for n in rest:
+        if _is_string(table.types[n]) and n.lower() in TEXT_NAMES:
+            return {"text_column": n}
+    for n in rest:
+        t = table.types[n]
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return {"image_column": n}
+        if _is_string(t):
+            values = [v for v in _text(sample.column(n)).to_pylist() if v is not None]
+            if values and all(v.lower().endswith((".png", ".jpg", ".jpeg")) for v in values):
+                return {"image_column": n}
+    features = tuple(n for n in rest if _is_number(table.types[n]))
+    if not features:
+        raise DataError("no input column found: a table needs numeric feature columns, a text column (named "
+                        f"{', '.join(TEXT_NAMES)}) or an image column (paths or bytes); the columns are "
+                        f"{', '.join(map(repr, table.names))}")
+    return {"features": features}
+
+
+def _label_values(source: DataSource, files: list[SourceObject], column: str) -> tuple[str, ...]:
+    """Every distinct label text over all files (only that column is read), sorted (numerically when integers)."""
+    from fedpipe.data.files.manifest import MAX_LABELS
+
+    seen: set[str] = set()
+    for obj in files:
+        table = _open_table(source.read(obj, MAX_TABLE_BYTES), obj.key)
+        if column not in table.types:
+            raise DataError(f"{source.url(obj.key)} has no column {column!r}; every table file has the same columns")
+        for batch in table.batches([column], True):
+            seen.update(v for v in _text(batch.column(0)).dictionary_encode().dictionary.to_pylist() if v)
+            if len(seen) > MAX_LABELS:
+                raise DataError(f"column {column!r} has more than {MAX_LABELS} distinct values: is it the label column?")
+    if all(_INTEGER.fullmatch(v) for v in seen):
+        return tuple(sorted(seen, key=int))
+    return tuple(sorted(seen))
+
+
+def infer_table_manifest(source: DataSource, objects: list[SourceObject], client_column: str | None = None,
+                         label_column: str | None = None) -> DataManifest:
+    """A manifest for the table files under the source, proposed from the first file's columns and up to
+    INFER_ROWS of its rows, and the label values of every file; a DataError says what it could not tell."""
+    files = [o for o in objects if o.key.lower().endswith(TABLE_EXTENSIONS)]
+    if not files:
+        raise DataError(f"{source.url()} has no .parquet or .csv file to propose a table layout from")
+    try:
+        table = _open_table(source.read(files[0], MAX_TABLE_BYTES), files[0].key)
+        batches = []
+        for batch in table.batches(table.names, False):
+            batches.append(batch)
+            if sum(len(b) for b in batches) >= INFER_ROWS:
+                break
+        sample = pa.Table.from_batches(batches) if batches else pa.table({})
+        client = _pick(table.names, client_column, CLIENT_NAMES, "client", "--client-column")
+        label = _pick(table.names, label_column, LABEL_NAMES, "label", "--label-column")
+        inputs = _inputs(table, sample, {client, label})
+        labels = _label_values(source, files, label)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"a table file under {source.url()} cannot be read: {exc}") from None
+    if len(labels) < 2:
+        raise DataError(f"column {label!r} holds {len(labels)} distinct label(s) ({', '.join(labels)}); "
+                        "a classification needs at least two")
+    layout = TableLayout(client_column=client, label_column=label, **inputs)
+    return DataManifest(source=layout, labels=labels)
