@@ -15,12 +15,14 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kfp import components
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_FILE = REPO / ".cache" / "images" / "fedpipe-image.txt"
@@ -90,3 +92,17 @@ def _answers(sock: Path) -> bool:
             return b"OK" in s.recv(4096)
     except OSError:
         return False
+
+
+def compile_for_image(tmp_path: Path, image: str, store: str, s3_endpoint: str, pushgateway: str):
+    """The default pipeline (superfed_mm) compiled for `image` with the flags a user passes (`fedpipe compile
+    --image-repository ... --store ... --s3-endpoint ... --pushgateway ...`), a CPU run; loaded as a component."""
+    repository, tag = image.rsplit(":", 1)
+    out = tmp_path / "superfed_mm.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "fedpipe.cli", "compile", "-o", str(out), "--set", "method.name=superfed_mm",
+         "--image-repository", repository, "--image-tag", tag, "--training-image-tag", tag, "--accelerator-count", "0",
+         "--store", store, "--s3-endpoint", s3_endpoint, "--pushgateway", pushgateway],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return components.load_component_from_file(str(out))

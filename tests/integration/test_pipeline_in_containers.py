@@ -21,15 +21,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
 
 import pytest
 import yaml
-from containers import built_image, podman, podman_service
-from kfp import components, local
+from containers import built_image, compile_for_image, podman, podman_service
+from kfp import local
 from minio import Minio
 from runs import SMALL
 
@@ -40,18 +39,6 @@ TINY = [*SMALL, "method.name=superfed_mm", "train.rounds=2", "partition.num_clie
         "telemetry.pushgateway_retention_seconds=0"]
 # What differs between two runs of one config by design: their ids, where their report is, how long they took.
 RUN_SPECIFIC = {"run_id", "report", "training_seconds"}
-
-
-def _compile(tmp_path, image: str, s3_endpoint: str, pushgateway: str):
-    repository, tag = image.rsplit(":", 1)
-    out = tmp_path / "superfed_mm.yaml"
-    done = subprocess.run(
-        [sys.executable, "-m", "fedpipe.cli", "compile", "-o", str(out), "--set", "method.name=superfed_mm",
-         "--image-repository", repository, "--image-tag", tag, "--training-image-tag", tag, "--accelerator-count", "0",
-         "--store", f"s3://{BUCKET}/runs", "--s3-endpoint", s3_endpoint, "--pushgateway", pushgateway],
-        capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return components.load_component_from_file(str(out))
 
 
 def _config(run_id: str) -> str:
@@ -89,7 +76,7 @@ def test_the_compiled_pipeline_runs_in_the_image_and_equals_the_subprocess_run(
     client = Minio(s3_env.removeprefix("http://"), access_key=access, secret_key=secret, secure=False)
     if not client.bucket_exists(BUCKET):
         client.make_bucket(BUCKET)
-    pipeline = _compile(tmp_path, image, s3_env, pushgateway)
+    pipeline = compile_for_image(tmp_path, image, f"s3://{BUCKET}/runs", s3_env, pushgateway)
 
     with podman_service() as socket_url:
         monkeypatch.setenv("DOCKER_HOST", socket_url)  # kfp's DockerRunner calls docker.from_env()
@@ -135,7 +122,7 @@ def test_a_config_error_inside_the_image_fails_the_task_with_its_message(tmp_pat
                                                                         monkeypatch, capfd):
     image = built_image()
     access, secret = s3_credentials
-    pipeline = _compile(tmp_path, image, s3_env, pushgateway)
+    pipeline = compile_for_image(tmp_path, image, f"s3://{BUCKET}/runs", s3_env, pushgateway)
     bad = yaml.safe_load(_config("bad"))
     bad["train"]["rounds"] = 0
     with podman_service() as socket_url:
