@@ -23,6 +23,7 @@ import yaml
 from fedpipe.config import apply_override
 from fedpipe.data.partition.schemes import SCHEME_CONFIGS
 from fedpipe.errors import ConfigError, CorruptArtifactError
+from fedpipe.models.warm import attach, pin_init_from
 from fedpipe.run.config import RunConfig, load_config, with_data_snapshot
 from fedpipe.run.layout import RunLayout
 from fedpipe.run.report import render_html, summary_lines
@@ -87,7 +88,8 @@ def resolve_config(
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    cfg = with_data_snapshot(load_config(path))  # a user's own data: the drop read and its snapshot pinned
+    # a user's own data: the drop read and its snapshot pinned; a warm start's `promoted`: the version it names now
+    cfg = pin_init_from(with_data_snapshot(load_config(path)))
     path.write_text(cfg.to_yaml())
     if cfg.run.id is None:
         cfg = load_config(path, [f"run.id={cfg.run_id()}-{job_id}"])
@@ -221,7 +223,7 @@ def _phase_outputs(run: Run, phase: str, state_path: str) -> dict:
 
 def train_phase(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str) -> dict:
     """Run one phase; returns the metrics of its last round (empty when the phase has no rounds)."""
-    run = _phase_inputs(config_path, phase, manifest_path, previous_path)
+    run = attach(_phase_inputs(config_path, phase, manifest_path, previous_path))  # train.init_from: the first phase's start
     run.train(phase)
     return _phase_outputs(run, phase, state_path)
 
@@ -288,3 +290,56 @@ def compare(config_path: str, run_ids: list[str], markdown_path: str, json_path:
     Path(markdown_path).write_text(table + "\n")
     Path(json_path).write_text(json.dumps(rows, indent=2))
     return table
+
+
+MAX_MODEL_BYTES = 2**34  # one exported model (a .pt2 archive of its weights): 16 GiB is far above any fedpipe network
+METADATA_CLIENTS = 1000  # clients listed in the personalized models' artifact metadata (index.json lists them all)
+
+
+def publish(config_path: str, evaluated_run: str, global_path: str, clients_path: str, line_path: str) -> dict:
+    """Register the evaluated run in its model line and promote it if the gate says so (registry.name empty:
+    nothing is registered). Writes the exported models into the task's artifacts: the global model as one
+    file, the personalized models as one folder (`<client>.pt2`, `index.json`, `spec.json`); returns the
+    decision's figures and the artifacts' metadata."""
+    from fedpipe.models.publish import publish as publish_run
+
+    run = _prepare(config_path)
+    if evaluated_run != run.layout.run_id:
+        raise CorruptArtifactError(f"The evaluate task evaluated run {evaluated_run!r}, but this task's config is run "
+                                   f"{run.layout.run_id!r}: the artifacts belong to another run. Rerun the pipeline.")
+    result = publish_run(run)
+    Path(clients_path).mkdir(parents=True, exist_ok=True)
+    Path(global_path).parent.mkdir(parents=True, exist_ok=True)
+    if not result["published"]:
+        note = json.dumps({"published": False, "reason": result["reason"]})
+        Path(global_path).write_text(note)
+        (Path(clients_path) / "index.json").write_text(note)
+        Path(line_path).write_text(f"Not published: {result['reason']}.\n")
+        return {**result, "global_metadata": {"published": False}, "clients_metadata": {"published": False}}
+    Path(line_path).write_text(run.store.get_text(run.layout.report("model_line.md")))
+    return {**result, **_write_models(run, result, global_path, Path(clients_path))}
+
+
+def _write_models(run: Run, result: dict, global_path: str, folder: Path) -> dict:
+    """The published version's models copied into the task's Model artifacts; their metadata."""
+    from fedpipe.models.line import ModelLine
+
+    line, version = ModelLine(run.store, result["line"]), result["version"]
+    base = {"line": line.name, "version": version, "run_id": run.layout.run_id, "store_url": result["where"]}
+    glob = result["global_model"]
+    if glob is None:
+        Path(global_path).write_text(json.dumps({"global_model": None, "reason": f"{run.cfg.method.name} trains no global model"}))
+    else:
+        Path(global_path).write_bytes(line.read(version, glob, MAX_MODEL_BYTES))
+    index = {}
+    for client, key in result["client_models"].items():
+        name = key.removeprefix("clients/")
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(line.read(version, key, MAX_MODEL_BYTES))
+        index[client] = name
+    if "spec.json" in result["files"]:
+        (folder / "spec.json").write_bytes(line.read(version, "spec.json", MAX_MODEL_BYTES))
+    (folder / "index.json").write_text(json.dumps({**base, "clients": index}, indent=1))
+    return {"global_metadata": {**base, "client": "global", "format": result["global_format"] or "none"},
+            "clients_metadata": {**base, "client": "personalized", "format": ",".join(result["client_formats"]), "clients": len(index),
+                                 "index": dict(list(index.items())[:METADATA_CLIENTS]), "index_file": "index.json"}}

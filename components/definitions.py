@@ -144,7 +144,26 @@ def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Mod
     return result["run_id"]
 
 
-FIXED_FUNCTIONS = (partition, train_phase, launch_phase_job, evaluate)
+def publish(config: Input[Artifact], evaluated_run: str, decision: Output[Metrics], global_model: Output[Model],
+            client_models: Output[Model], model_line: Output[Markdown]):
+    """Register the evaluated run's models as the next version of its model line (registry.name; empty: nothing
+    happens) and promote it if the gate says so. `global_model`: the exported global model; `client_models`: a
+    folder of every client's personalized model with index.json (client -> file) and spec.json."""
+    from fedpipe.components import bodies
+
+    result = bodies.publish(config.path, evaluated_run, global_model.path, client_models.path, model_line.path)
+    global_model.metadata.update(result["global_metadata"])
+    client_models.metadata.update(result["clients_metadata"])
+    decision.log_metric("published", int(result["published"]))
+    if result["published"]:
+        decision.log_metric("version", int(result["version"]))
+        decision.log_metric("promoted", int(result["promoted"]))
+        for side in ("candidate", "champion"):
+            if result[side] is not None:
+                decision.log_metric(f"{side}_{result['metric']}", float(result[side]))
+
+
+FIXED_FUNCTIONS = (partition, train_phase, launch_phase_job, evaluate, publish)
 
 
 @dataclass(frozen=True)
@@ -154,6 +173,7 @@ class Components:
     train_phase: object
     launch_phase_job: object
     evaluate: object
+    publish: object
     compare: object  # None in a pipeline with no comparison
 
 

@@ -48,12 +48,24 @@ def _guarded(fn):
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]], run_id: Optional[str] = None):
-    from fedpipe.run.config import load_config, with_data_snapshot
+    """The config as written (defaults, file, --set): what is compiled into a pipeline or shown."""
+    from fedpipe.run.config import load_config
 
     sets = list(overrides or [])
     if run_id:
         sets.append(f"run.id={run_id}")
-    return with_data_snapshot(load_config(config, sets))
+    return load_config(config, sets)
+
+
+def _load_for_run(config: Optional[Path], overrides: Optional[list[str]], run_id: Optional[str] = None):
+    """The config of a run that starts here, with what it starts from pinned: its own data's snapshot (and
+    the `latest` drop it reads) and the model-line version it warm-starts from, so both are in its id. Never
+    for a compiled pipeline: its config task pins them when each run starts (a schedule must not freeze
+    today's drop or today's promoted version)."""
+    from fedpipe.models.warm import pin_init_from
+    from fedpipe.run.config import with_data_snapshot
+
+    return pin_init_from(with_data_snapshot(_load(config, overrides, run_id)))
 
 
 def _print_summary(summary: dict) -> None:
@@ -81,7 +93,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     from fedpipe.run.run import Run
     from fedpipe.safe_load import read_store_json
 
-    cfg = _load(config, set, run_id)
+    cfg = _load_for_run(config, set, run_id)
     r = Run(cfg, take_over=take_over)
     if fresh:
         r.fresh()
@@ -114,7 +126,7 @@ def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = N
     """Split the dataset over clients: writes the manifest (client -> sample indices) and a label heatmap."""
     from fedpipe.run.run import Run
 
-    r = Run(_load(config, set, run_id))
+    r = Run(_load_for_run(config, set, run_id))
     p = r.partition()
     sizes = [len(c.train) + len(c.val) + len(c.test) for c in p.clients]
     typer.echo(f"{len(p.clients)} clients, {min(sizes)}-{max(sizes)} samples each; manifest: {r.store.url(r.layout.partition_manifest)}")
@@ -125,10 +137,13 @@ def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = N
 def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to run (see `fedpipe methods`), e.g. federation.")],
           config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
           take_over: Annotated[bool, typer.Option("--take-over", help="Take the run over from a writer whose heartbeat is older than FEDPIPE_OWNER_STALE_SECONDS (a dead one).")] = False):
-    """Run one training phase; it reads the previous phase's state and resumes from its own last checkpoint."""
+    """Run one training phase; it reads the previous phase's state and resumes from its own last checkpoint.
+    With train.init_from, the first phase starts from that model-line version (PyTorchJob and TrainJob pods
+    run this command)."""
+    from fedpipe.models.warm import attach
     from fedpipe.run.run import Run
 
-    r = Run(_load(config, set, run_id), take_over=take_over)
+    r = attach(Run(_load_for_run(config, set, run_id), take_over=take_over))
     state = r.train(phase)
     if state is None:  # a rank > 0 of a distributed phase: rank 0 reports
         return
@@ -141,7 +156,7 @@ def evaluate(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = No
     """Evaluate the last phase's models and write the report (summary, per-client table, plots)."""
     from fedpipe.run.run import Run
 
-    _print_summary(Run(_load(config, set, run_id)).evaluate())
+    _print_summary(Run(_load_for_run(config, set, run_id)).evaluate())
 
 
 @app.command()
@@ -591,6 +606,171 @@ def data_check(source: SourceArg,
     typer.echo("\n".join(report.lines))
     if not report.ok:
         raise typer.Exit(2)
+
+
+models_app = typer.Typer(
+    help="Model lines: the versions of a model in the store (models/<name>/), each one run's models exported for serving "
+         "(the global model and every client's personalized model) with its record: run id, config, data snapshot, "
+         "accuracy and the gate's decision. One version is promoted: what `fedpipe predict` and warm starts "
+         "(train.init_from=promoted) use. `list` and `show` read; `promote` and `rollback` move the pointer by hand, "
+         "each move recorded in the line's history.",
+    no_args_is_help=True,
+)
+app.add_typer(models_app, name="models")
+LineArg = Annotated[str, typer.Argument(metavar="NAME", help="The model line: registry.name of the runs that register into it.")]
+LineStoreOpt = Annotated[Optional[str], typer.Option("--store", help="The store holding the model line: a folder or s3://bucket/prefix (default: run.store of --config / --set, else runs/).")]
+
+
+def _model_line(name: str, store: Optional[str], config: Optional[Path], overrides: Optional[list[str]]):
+    from fedpipe.models.line import ModelLine
+    from fedpipe.store import open_store
+
+    return ModelLine(open_store(store if store is not None else _load(config, overrides).run.store), name)
+
+
+def _line_and_version(ref: str, store, config, overrides, *, default_latest: bool):
+    """NAME or NAME@VERSION: the line, and the version (given, else the promoted one, else with
+    `default_latest` the newest)."""
+    name, _, given = ref.partition("@")
+    line = _model_line(name, store, config, overrides)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise FedpipeError(f"{ref!r}: the version after '@' is a number 1, 2, ... (`fedpipe models list {name}`).")
+        return line, int(given)
+    version = line.promoted()
+    if version is None and default_latest and line.versions():
+        version = line.versions()[-1]
+    if version is None:
+        raise FedpipeError(f"Model line {name!r} in {line.store.url()} has no promoted version: name one as {name}@VERSION "
+                           f"(`fedpipe models list {name}`), or promote one (`fedpipe models promote {name} VERSION`).")
+    return line, version
+
+
+def _promoted_or_warn(line) -> Optional[int]:
+    """The promoted version; a bad pointer is said (on stderr) and shown as none, so the versions can still be listed."""
+    from fedpipe.errors import CorruptArtifactError
+
+    try:
+        return line.promoted()
+    except CorruptArtifactError as e:
+        typer.echo(f"warning: {e}", err=True)
+        return None
+
+
+def _accuracy(summary: dict) -> str:
+    pers, glob = summary.get("personalized_accuracy"), summary.get("global_model")
+    mean = pers.get("mean") if isinstance(pers, dict) else None
+    top1 = glob.get("top1") if isinstance(glob, dict) else None
+    shown = lambda x: f"{100 * x:.2f}%" if isinstance(x, (int, float)) else "n/a"  # noqa: E731
+    return f"personalized {shown(mean)}  global {shown(top1)}"
+
+
+def _snapshot(snapshot: Optional[dict]) -> str:
+    if not snapshot:
+        return "bundled data"
+    return f"{str(snapshot.get('digest', '?'))[:12]} ({snapshot.get('objects', '?')} objects)"
+
+
+@models_app.command("list")
+@_guarded
+def models_list(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+    """List a line's versions, oldest first: accuracy (the clients' mean personalized accuracy and the global
+    model's, on their test splits), the data snapshot the run read, the gate's decision; * marks the promoted one."""
+    line = _model_line(name, store, config, set)
+    versions = line.versions()
+    if not versions:
+        typer.echo(f"model line {name} in {line.store.url()}: no versions yet (a run with registry.name={name} registers one)")
+        return
+    promoted = _promoted_or_warn(line)
+    typer.echo(f"model line {name} in {line.store.url()}: {len(versions)} version(s), promoted: {promoted or 'none'}")
+    for v in versions:
+        r = line.record(v)
+        decision = r.decision.get("reason") or ("promoted" if r.decision.get("promoted") else "no decision recorded")
+        typer.echo(f"{'*' if v == promoted else ' '} v{v:<4} {r.created:<25} {_accuracy(r.summary)}  data {_snapshot(r.data_snapshot)}  "
+                   f"run {r.run_id}  gate: {decision}")
+
+
+@models_app.command("show")
+@_guarded
+def models_show(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", help="The line, and a version (default: the promoted one, else the newest).")],
+                store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+    """Show one version: its record (run, method, model, data, accuracy, the gate's decision), its clients and
+    the files a server loads (spec.json says how to feed them), and the line's promotion history."""
+    import json
+
+    line, version = _line_and_version(ref, store, config, set, default_latest=True)
+    r = line.record(version)
+    promoted = _promoted_or_warn(line)
+    typer.echo(f"model line {line.name}, version {version}{' (promoted)' if version == promoted else ''}, created {r.created}")
+    typer.echo(f"  run          {r.run_id}")
+    typer.echo(f"  model        {r.spec.model} ({r.spec.method}), input {'x'.join(map(str, r.spec.input_shape))}, "
+               f"{r.spec.num_classes} classes")
+    typer.echo(f"  accuracy     {_accuracy(r.summary)}")
+    typer.echo(f"  data         {_snapshot(r.data_snapshot)}{'  ' + str(r.data_snapshot.get('source')) if r.data_snapshot else ''}")
+    typer.echo(f"  gate         {json.dumps(r.decision) if r.decision else 'no decision recorded'}")
+    shown = ", ".join(r.clients[:10]) + (f", ... ({len(r.clients)} in all)" if len(r.clients) > 10 else "")
+    typer.echo(f"  clients      {shown or 'none'}")
+    folder = line.keys.version(version)
+    for key in line.store.list(folder):
+        typer.echo(f"  file         {key[len(folder):]:<40} {line.store.size(key) or 0:>12,} bytes")
+    for entry in line.history()[-10:]:
+        typer.echo(f"  history      #{entry['seq']} {entry['time']} {entry['action']} v{entry['version']}: {entry['reason']}")
+
+
+@models_app.command("promote")
+@_guarded
+def models_promote(name: LineArg, version: Annotated[int, typer.Argument(min=1, help="The version to promote (`fedpipe models list NAME`).")],
+                   reason: Annotated[str, typer.Option(help="Why, for the history (shown by `fedpipe models show`).")] = "promoted by hand",
+                   store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+    """Promote a version by hand, whatever the gate decided: `fedpipe predict` and warm starts use it from now on.
+    Of two promotions made at once one wins and the other changes nothing and says so."""
+    line = _model_line(name, store, config, set)
+    before = line.log.pointer()
+    line.promote(version, reason)
+    typer.echo(f"model line {name}: version {version} promoted (was {before.version if before else 'none'})")
+
+
+@models_app.command("rollback")
+@_guarded
+def models_rollback(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+    """Promote again the version promoted before the current one (per the history; rolling back twice goes two
+    promotions back). Its record must be unchanged since it was promoted."""
+    line = _model_line(name, store, config, set)
+    current = line.log.pointer()
+    version = line.rollback()
+    typer.echo(f"model line {name}: version {version} promoted again (rolled back from {current.version if current else 'none'})")
+
+
+@app.command()
+@_guarded
+def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help="Images (PNG, JPEG) for an image model; CSV files of raw feature rows for a table model.")],
+            model: Annotated[str, typer.Option("--model", help="NAME or NAME@VERSION of a model line (default version: the promoted one).")],
+            client: Annotated[Optional[str], typer.Option("--client", help="The client whose personalized model predicts: its name for data with its own clients (a site), else its number. Default: the global model.")] = None,
+            store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+    """Predict with an exported model, as a server would: only torch loads it (torch.export's .pt2, or TorchScript),
+    and it takes raw inputs (the normalisation the run applied is inside it). Prints `file  label  probability`
+    per image, or per CSV row (file:line). Examples:
+
+        fedpipe predict --model sites --client hospital-a scan1.png scan2.png
+
+        fedpipe predict --model credit@3 --client branch-2 --store s3://mlpipeline/fedpipe rows.csv
+    """
+    import torch
+
+    from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, load_exported, read_inputs
+
+    line, version = _line_and_version(model, store, config, set, default_latest=False)
+    spec = ServingSpec.from_bytes(line.read(version, SPEC_FILE, MAX_SPEC_BYTES), line.store.url(line.keys.version(version) + SPEC_FILE))
+    served = spec.served(client)
+    net = load_exported(line.read(version, served.file, 2**34), served.format)
+    names, x = read_inputs(spec, [str(f) for f in files])
+    with torch.no_grad():
+        probs = torch.softmax(net(x).double(), dim=1)
+    best, index = probs.max(dim=1)
+    width = max(len(n) for n in names)
+    for row, p, i in zip(names, best.tolist(), index.tolist()):
+        label = spec.labels[i] if i < len(spec.labels) else str(i)
+        typer.echo(f"{row:<{width}}  {label}  {p:.4f}")
 
 
 def main() -> None:

@@ -125,6 +125,27 @@ class TrainConfig(Section):
     """A round fails when fewer clients than this report back (a failed client is left out of the round)."""
     keep_checkpoints: int = Field(2, ge=1, le=MAX_CHECKPOINTS)
     """Per-round checkpoints kept while a phase runs (older ones are deleted; the phase's final state stays)."""
+    init_from: str = Field("none", pattern=r"^(none|promoted|[1-9][0-9]{0,8})$")
+    """Warm start from the model line `registry.name`: `promoted` (its promoted version), a version number,
+    or `none` (random initial weights). The first phase starts from that version's global model and the
+    clients' kept states (matched by client name); a model spec that differs is an error naming both.
+    `promoted` is pinned to the version it names when the run starts, so it is part of the run's id."""
+
+
+class RegistryConfig(Section):
+    """The model line a run's models are registered in, and the gate that decides whether a new version is
+    promoted (the `models` layer: fedpipe.models)."""
+
+    name: str = Field("", pattern=r"^([a-z0-9][a-z0-9._-]{0,62})?$")
+    """The model line (models/<name>/ in the run's store); empty: the run's models are not registered."""
+    gate_metric: Literal["personalized_accuracy", "global_accuracy", "worst10_accuracy"] = "personalized_accuracy"
+    """What the gate compares, candidate against the promoted version, both on the candidate's test splits:
+    the clients' mean personalized accuracy, the global model's accuracy, or the mean accuracy of the worst
+    10% of clients."""
+    tolerance: float = Field(0.0, ge=0.0, le=1.0)
+    """Promote when the candidate's metric is at least the promoted version's minus this."""
+    max_client_drop: float = Field(0.05, ge=0.0, le=1.0)
+    """...and no client present in both loses more than this accuracy (new clients are counted apart)."""
 
 
 class EvalConfig(Section):

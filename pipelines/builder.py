@@ -1,6 +1,9 @@
 """Pipelines generated from a method's phase list: adding a method adds no pipeline code.
 
-    config --> partition --> phase 1 --> phase 2 --> ... --> evaluate
+    config --> partition --> phase 1 --> phase 2 --> ... --> evaluate --> publish
+
+`publish` registers the run's models in its model line (registry.name) and promotes them when the gate says
+so (fedpipe.models); with registry.name empty (the default) it does nothing. The benchmark has no publish task.
 
 The pipeline's parameters are the run config's fields (`train_rounds`, `partition_num_clients`,
 `method_nu`, ...; defaults = the compiled config), a `base_config` YAML, `overrides` (KEY=VALUE
@@ -274,8 +277,9 @@ def _resolve_task(c: Components, v: dict, fields: dict, method: str):
                             job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, **{_param(k): v[_param(k)] for k in fields})
 
 
-def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None) -> object:
-    """resolve config -> phase tasks -> evaluate for one method; returns the evaluate task."""
+def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None,
+                   publish: bool = False) -> object:
+    """resolve config -> phase tasks -> evaluate (-> publish) for one method; returns the evaluate task."""
     resolve = _resolve_task(c, v, fields, method or "").set_display_name(f"config {method}" if method else "config")
     _step(resolve, v, options)
     config = resolve.outputs["config"]
@@ -304,6 +308,8 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
         previous = task.outputs["state"]
     evaluate = c.evaluate(config=config, manifest=manifest, state=previous).set_display_name(f"evaluate {method}" if method else "evaluate")
     _step(evaluate, v, options)
+    if publish:  # after evaluate: its output (the run id) is the publish task's input
+        _step(c.publish(config=config, evaluated_run=evaluate.outputs["Output"]).set_display_name("publish"), v, options)
     return evaluate
 
 
@@ -367,10 +373,10 @@ def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) ->
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)
-        _method_branch(c, v, options, cfg, fields, None, None)
+        _method_branch(c, v, options, cfg, fields, None, None, publish=True)
 
     return _as_pipeline(body, signature, name, f"{cfg.method.name}: {ALGORITHMS[cfg.method.name].paper}. "
-                        "Partition, one task per training phase, evaluation.")
+                        "Partition, one task per training phase, evaluation, publication in the model line.")
 
 
 def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOptions = DeployOptions()) -> Callable:

@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algorithms", ("fedpipe.algorithms",)),
     ("engine", ("fedpipe.engine",)),
     ("run", ("fedpipe.run",)),
+    ("models", ("fedpipe.models",)),
     ("entry", ("fedpipe.k8s", "fedpipe.components", "fedpipe.pipelines", "fedpipe.cli")),
 )
 

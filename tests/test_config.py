@@ -73,3 +73,12 @@ def test_every_field_is_documented():
 
     undocumented = [name for name, doc in walk(RunConfig()) if not doc and not name.endswith(".name") and not name.endswith(".scheme")]
     assert undocumented == []
+
+
+def test_fields_added_later_leave_existing_run_ids_unchanged():
+    """The default config's id as fedpipe 0.1.0 made it before data.source, data.snapshot, data.image_size,
+    train.init_from and the registry section existed: an upgrade must not move existing runs to new ids
+    (they would no longer resume). Setting a new field does change the id."""
+    assert load_config().run_id() == "superfed_mm-mnist5k-pathological-s0-b1159e8b"
+    assert load_config(None, ["registry.name=line", "registry.tolerance=0.1"]).run_id() == load_config().run_id()
+    assert load_config(None, ["train.init_from=3"]).run_id() != load_config().run_id()

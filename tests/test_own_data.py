@@ -51,6 +51,7 @@ def test_the_default_pipeline_learns_from_image_folders_per_client(tmp_path):
     done = _fedpipe("run", *(f"--set={s}" for s in sets))  # the default method: SuPerFed-MM, two phases
     assert done.returncode == 0, done.stdout + done.stderr
     summary, clients = _summary(store)
+    print(f"image folders: personalized {summary['personalized_accuracy']['mean']:.3f}, global {summary['global_model']['top1']:.3f}")
     # chance is 1/4 for a site's own classes and 1/10 on the global test set
     assert summary["personalized_accuracy"]["mean"] >= 0.6, summary["personalized_accuracy"]
     assert summary["global_model"]["top1"] >= 0.3, summary["global_model"]
@@ -70,6 +71,7 @@ def test_the_default_pipeline_learns_from_a_parquet_table_in_s3(tmp_path, raw_cl
     done = _fedpipe("run", *(f"--set={s}" for s in sets))
     assert done.returncode == 0, done.stdout + done.stderr
     summary, clients = _summary(store)
+    print(f"parquet in S3: personalized {summary['personalized_accuracy']['mean']:.3f}, global {summary['global_model']['top1']:.3f}")
     assert summary["personalized_accuracy"]["mean"] >= 0.85, summary["personalized_accuracy"]  # chance: 0.5
     assert summary["global_model"]["top1"] >= 0.85, summary["global_model"]
     assert [row["name"] for row in clients] == [f"branch-{b}" for b in range(4)]
@@ -189,3 +191,14 @@ def test_table_features_are_standardised_on_the_federating_clients_training_rows
     assert train.shape[1] == 30 and train.dtype.is_floating_point
     assert train.mean(0).abs().max() < 1e-4 and (train.std(0, unbiased=False) - 1).abs().max() < 1e-3
     assert data.global_test.x.mean(0).abs().max() > 1e-3  # held-out rows did not shape the statistics
+
+
+def test_compiling_a_pipeline_pins_nothing_each_run_reads_its_own_drop(tmp_path):
+    """A compiled (or scheduled) pipeline must not freeze the drop `latest` names today, nor need the data's
+    credentials where it is compiled: the config task pins data.source and data.snapshot when each run starts."""
+    out = tmp_path / "p.yaml"
+    done = _fedpipe("compile", "-o", str(out), "--set=data.dataset=files", "--set=data.source=s3://nowhere/drops/latest",
+                    "--set=partition.scheme=natural", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    assert "s3://nowhere/drops/latest" in text and 'snapshot":null' in text

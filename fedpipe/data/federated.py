@@ -71,11 +71,7 @@ def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.devi
     if is_table_shape(bundle.input_shape):
         return _prepare_table(bundle, partition, device)
 
-    def raw(arrays: LabeledArrays, rows: np.ndarray | None, transform: str | None) -> tuple[np.ndarray, np.ndarray]:
-        x, y = (arrays.x, arrays.y) if rows is None else (arrays.x[rows], arrays.y[rows])
-        return (FEATURE_SHIFTS[transform](x) if transform else x), y
-
-    mean, std = _standardisation(bundle, partition, raw)
+    mean, std = _standardisation(bundle, partition, _raw_images)
     mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
 
@@ -87,15 +83,32 @@ def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.devi
         return Split(xt.to(device), torch.from_numpy(np.ascontiguousarray(y)).long().to(device))
 
     clients = tuple(
-        ClientData(c.id, *(to_split(raw(bundle.train, getattr(c, s), c.transform)) for s in ("train", "val", "test")), c.opt_out)
+        ClientData(c.id, *(to_split(_raw_images(bundle.train, getattr(c, s), c.transform)) for s in ("train", "val", "test")), c.opt_out)
         for c in partition.clients
     )
     if partition.global_test_indices is None:
         assert bundle.test is not None, "an official-test partition needs the dataset's test split"
-        global_test = to_split(raw(bundle.test, None, None))
+        global_test = to_split(_raw_images(bundle.test, None, None))
     else:
-        global_test = to_split(raw(bundle.train, partition.global_test_indices, None))
+        global_test = to_split(_raw_images(bundle.train, partition.global_test_indices, None))
     return FederatedData(clients, global_test, bundle.num_classes, bundle.input_shape, partition.client_names)
+
+
+def _raw_images(arrays: LabeledArrays, rows: np.ndarray | None, transform: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """The uint8 images (and labels) of `rows` (all when None), with a client's feature shift applied."""
+    x, y = (arrays.x, arrays.y) if rows is None else (arrays.x[rows], arrays.y[rows])
+    return (FEATURE_SHIFTS[transform](x) if transform else x), y
+
+
+def input_standardisation(bundle: DatasetBundle, partition: Partition) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+    """(kind, mean, std) of what `prepare_data` does to raw inputs, computed as it computes them (float64):
+    ("image", per channel, on the 0..1 scale: (x / 255 - mean) / std), ("table", per column: (x - mean) / std)
+    or ("text", None, None: token ids as they are). A model served on raw inputs applies the same (as float32)."""
+    if bundle.is_text:
+        return "text", None, None
+    if is_table_shape(bundle.input_shape):
+        return ("table", *_table_standardisation(bundle, partition))
+    return ("image", *_standardisation(bundle, partition, _raw_images))
 
 
 def _standardisation(bundle: DatasetBundle, partition: Partition, raw) -> tuple[np.ndarray, np.ndarray]:
@@ -138,6 +151,15 @@ def _prepare_table(bundle: DatasetBundle, partition: Partition, device: torch.de
     """Numeric features standardised per column with the opt-in clients' training rows (as images are
     per channel: opt-out clients' data must not shape anything shared), float32 on `device`."""
     _no_feature_shift(bundle, partition, "numeric features", "leave partition.feature_shift empty for tables")
+    mean, std = _table_standardisation(bundle, partition)
+    mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+
+    return _gathered(bundle, partition, device, lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sub_(mean_t).div_(std_t))
+
+
+def _table_standardisation(bundle: DatasetBundle, partition: Partition) -> tuple[np.ndarray, np.ndarray]:
+    """Per-column mean and std (float64) of the opt-in clients' training rows (all clients' when every one
+    opts out); a row held by several clients counts once per client."""
     members = [c for c in partition.clients if not c.opt_out] or list(partition.clients)
     rows = np.concatenate([c.train for c in members])
     counts = np.bincount(rows, minlength=len(bundle.train))  # a shared sample counts once per client holding it
@@ -150,10 +172,7 @@ def _prepare_table(bundle: DatasetBundle, partition: Partition, device: torch.de
         squares += w @ np.square(x)
     n = counts.sum()
     mean = total / n
-    std = np.maximum(np.sqrt(np.maximum(squares / n - mean**2, 0.0)), 1e-6)
-    mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
-
-    return _gathered(bundle, partition, device, lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sub_(mean_t).div_(std_t))
+    return mean, np.maximum(np.sqrt(np.maximum(squares / n - mean**2, 0.0)), 1e-6)
 
 
 def _prepare_text(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:

@@ -208,10 +208,10 @@ class ModularNetwork(nn.Module):
         for l in range(1, lay.num_layers):
             w, active = lay.links(v, l - 1), lay.links(on, l - 1)
             h = [
-                unit(self._combine(h, w[:, j], active[:, j], (len(x), self.widths[l - 1]), x, grad)) if needed[l][j] else None
+                unit(self._combine(h, w[:, j], active[:, j], (x.shape[0], self.widths[l - 1]), x, grad)) if needed[l][j] else None
                 for j, unit in enumerate(self.units[l])
             ]
-        return self._combine(h, lay.output_links(v), lay.output_links(on), (len(x), self.widths[-1]), x, grad)
+        return self._combine(h, lay.output_links(v), lay.output_links(on), (x.shape[0], self.widths[-1]), x, grad)
 
     @staticmethod
     def _combine(h: list, w: torch.Tensor, active: torch.Tensor, shape: tuple[int, int], like: torch.Tensor, grad: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ from fedpipe.config import (
     MAX_CLIENTS,
     EngineConfig,
     EvalConfig,
+    RegistryConfig,
     RunSection,
     Section,
     TelemetryConfig,
@@ -72,6 +73,7 @@ class RunConfig(Section):
     eval: EvalConfig = EvalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     engine: EngineConfig = EngineConfig()
+    registry: RegistryConfig = RegistryConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -109,7 +111,12 @@ class RunConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes results (not where they go or how progress is shown)."""
-        d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"}})
+        d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"},
+                                                 "registry": True})
+        # fields added later count only when set, so a config that does not use them keeps its run id
+        for section, key, unset in LATER_FIELDS:
+            if d[section].get(key, unset) == unset:
+                d[section].pop(key, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def run_id(self) -> str:
@@ -122,6 +129,10 @@ class RunConfig(Section):
 
 
 DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
+
+#: (section, field, unset value) of the fields added after runs were first made: left out of the
+#: fingerprint while unset, so upgrading fedpipe does not move existing runs to new ids.
+LATER_FIELDS = (("data", "source", None), ("data", "image_size", None), ("data", "snapshot", None), ("train", "init_from", "none"))
 
 #: Upper bounds of the partition schemes' size fields: a million clients is cross-device scale (the
 #: manifest then is hundreds of MB); per-client counts above a million samples, shards or groups

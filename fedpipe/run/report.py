@@ -231,3 +231,28 @@ def comparison_table(summaries: list[dict]) -> str:
     head = ", ".join(md_text(first.get(k, "?"), 100) + tail for k, tail in
                      (("dataset", ""), ("partition", " split"), ("num_clients", " clients")))
     return f"{head}, seed {md_text(first.get('seed', '?'), 30)}" + "\n\n" + "\n".join(lines)
+
+
+def model_line_markdown(line: str, rows: list[dict], promoted: int | None, history: list[dict]) -> str:
+    """The report's "Model line" page (`report/model_line.md`, written when a run is published): the line's
+    versions with their accuracy, data snapshot and the gate's decision, then its promotions and rollbacks.
+    `rows`: {version, run_id, created, personalized_accuracy, global_accuracy, data, promoted, reason} each;
+    every text from a record is escaped (records are files someone else may have written)."""
+    pct = lambda x: _number(x, ".2f", 100, "%")  # noqa: E731
+    lines = [f"# Model line {md_text(line, 100)}", "",
+             f"Promoted version: {md_text(promoted) if promoted is not None else 'none'}.", "",
+             "| version | run | personalized acc. | global top-1 | data snapshot | decision |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        data = r.get("data") if isinstance(r.get("data"), dict) else {}
+        digest = str(data.get("digest") or "")[:12]
+        snapshot = f"{md_text(data.get('source', ''), 120)} ({md_text(digest, 12)})" if data else "n/a"
+        mark = " (promoted now)" if r.get("version") == promoted else ""
+        verdict = "promoted" if r.get("promoted") else "not promoted"
+        lines.append(f"| {md_text(r.get('version'))}{mark} | {md_text(r.get('run_id'), 120)} | {pct(r.get('personalized_accuracy'))} | "
+                     f"{pct(r.get('global_accuracy'))} | {snapshot} | {verdict}: {md_text(r.get('reason', ''), 400)} |")
+    if history:
+        lines += ["", "Promotions and rollbacks, oldest first:", ""]
+        lines += [f"- {md_text(e.get('time'), 40)}: {md_text(e.get('action'), 20)} version {md_text(e.get('version'))}: "
+                  f"{md_text(e.get('reason', ''), 400)}" for e in history]
+    return "\n".join(lines) + "\n"

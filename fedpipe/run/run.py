@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,11 +45,28 @@ from fedpipe.telemetry.progress import ProgressSink
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """Where a run's first phase starts instead of the seeded random weights: a model line's version
+    (built by the entry layer through `fedpipe.models.warm`; the run layer only uses it). Tensors on the CPU,
+    keyed by THIS run's client ids (the version's clients matched by name; a client the version lacks
+    starts without a state)."""
+
+    server: ServerState
+    clients: dict[int, dict] = field(default_factory=dict)
+    source: str = ""  # for the log: which line and version
+
+
+#: What `Run.warm_start` holds (None: the seeded random weights): the warm start, or a function that reads it
+#: when the first phase starts (a phase that resumes from a checkpoint or has finished never calls it)
+WarmStarter = WarmStart | Callable[[], WarmStart | None] | None
+
+
 class Run:
     """A configured run bound to its store (its one writer while a step writes: `with self.owner:`); the dataset, model and algorithm are built on demand."""
 
     def __init__(self, cfg: RunConfig, store: Store | None = None, *, take_over: bool = False, owner: str | None = None):
-        self.cfg = cfg
+        self.cfg, self.warm_start = cfg, None  # warm_start: a WarmStart, or a function reading it (`WarmStarter`)
         self.store = store if store is not None else open_store(cfg.run.store)
         self.layout = RunLayout(cfg.run_id())
         self.owner = record.RunOwner(self.store, self.layout, owner, take_over=take_over)
@@ -138,7 +157,7 @@ class Run:
         choice = None if distributed.launched_by_torchrun() else engine_choice(self, phase_name)
         run = self if choice is None else Run(self.cfg.model_copy(update={"engine": self.cfg.engine.model_copy(
             update={"clients": choice.clients, "processes": choice.processes})}), self.store)
-        run._bundle = self._bundle
+        run._bundle, run.warm_start = self._bundle, self.warm_start
         run.owner = self.owner  # one claim: the copy's step must not release a claim this Run holds
         run.unrecorded_choice = choice if choice is not None and not choice.recorded else None
         spec = json.dumps({"config": run.cfg.model_dump(mode="json"), "phase": phase_name})
@@ -252,7 +271,8 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
         return state
     algorithm, initial = run.build_algorithm(device)
     if previous is None:
-        start = PhaseState(run.cfg.method.name, "init", 0, ServerState(initial), {}, run.cfg.fingerprint())
+        server, clients = _initial_state(run, initial, device)
+        start = PhaseState(run.cfg.method.name, "init", 0, server, clients, run.cfg.fingerprint())
     else:
         start = run.checkpoints(previous).load_final(device)
     partition = run.load_partition()
@@ -284,6 +304,21 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
             ranks.stop()
     log.info("Phase %s: client states %s", phase.name, getattr(state.clients, "stats", len(state.clients)))
     return state
+
+
+def _initial_state(run: Run, initial: dict, device: torch.device) -> tuple[ServerState, dict]:
+    """The first phase's server state and clients' states: the seeded random weights, or the run's warm start."""
+    given: WarmStarter = run.warm_start
+    warm = given() if callable(given) else given
+    if warm is None:
+        return ServerState(initial), {}
+    missing = sorted(set(initial) - set(warm.server.global_params))
+    if missing:
+        raise ConfigError(f"The warm start {warm.source} lacks parameters of this run's model ({', '.join(missing[:3])}).")
+    on = lambda params: {k: v.to(device) for k, v in params.items()}  # noqa: E731
+    server = ServerState(on(warm.server.global_params), {c: on(p) for c, p in warm.server.per_client.items()})
+    log.info("Run %s starts from %s (%d client states).", run.layout.run_id, warm.source, len(warm.clients))
+    return server, {c: on(p) for c, p in warm.clients.items()}
 
 
 def engine_choice(run: Run, phase_name: str) -> EngineChoice:

@@ -165,7 +165,8 @@ app.kubernetes.io/part-of: fedpipe
 {{- default (printf "%s-%s" (include "fedpipe.fullname" .) (.Values.pipeline.method | replace "_" "-")) .Values.pipeline.name }}
 {{- end }}
 
-{{/* The run config as YAML: runConfig, with method.name from pipeline.method. */}}
+{{/* The run config as YAML: runConfig, with method.name from pipeline.method and, with schedule.cron, the
+     recurring run's defaults (schedule.retraining). */}}
 {{- define "fedpipe.runConfig" -}}
 {{- $config := deepCopy .Values.runConfig }}
 {{- $method := dig "method" "name" "" $config }}
@@ -173,6 +174,21 @@ app.kubernetes.io/part-of: fedpipe
 {{- fail (printf "runConfig.method.name (%s) differs from pipeline.method (%s): set pipeline.method only" $method .Values.pipeline.method) }}
 {{- end }}
 {{- $_ := set $config "method" (merge (dict "name" .Values.pipeline.method) (default (dict) $config.method)) }}
+{{- if .Values.schedule.cron }}
+{{- /* The recurring run's defaults (schedule.retraining): the newest drop, a warm start from the promoted
+     version, every run a version of the model line behind the gate; a registry or train field runConfig sets wins. */}}
+{{- $r := .Values.schedule.retraining }}
+{{- $line := $r.line | default (include "fedpipe.pipelineName" . | lower | trunc 63 | trimSuffix "-") }}
+{{- if not (regexMatch "^[a-z0-9][a-z0-9._-]{0,62}$" $line) }}
+{{- fail (printf "the model line of the recurring run would be %q (the pipeline's name), which is no line name (a-z, 0-9, '.', '_', '-'): set schedule.retraining.line" $line) }}
+{{- end }}
+{{- $registry := dict "name" $line "gate_metric" $r.gateMetric "tolerance" $r.tolerance "max_client_drop" $r.maxClientDrop }}
+{{- $_ := set $config "registry" (merge (default (dict) $config.registry) $registry) }}
+{{- $_ := set $config "train" (merge (default (dict) $config.train) (dict "init_from" $r.initFrom)) }}
+{{- with $r.dataSource }}
+{{- $_ := set $config "data" (merge (dict "dataset" "files" "source" .) (default (dict) $config.data)) }}
+{{- end }}
+{{- end }}
 {{- toYaml $config }}
 {{- end }}
 

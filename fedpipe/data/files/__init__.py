@@ -156,10 +156,11 @@ def _check_rows(rows: ClientRows, manifest: DataManifest, problems: Problems) ->
                                  "a sample held by two clients can sit in one's train and the other's test split")
 
 
-def _row_hashes(flat: np.ndarray, chunk: int = 8192) -> np.ndarray:
-    """A 64-bit hash of each row's bytes (a random linear form, wrapping), in chunks: a million rows cost
-    8 MB of hashes and a chunk's product, not a copy of the data."""
+def _row_hashes(flat: np.ndarray, chunk_bytes: int = 4 * 2**20) -> np.ndarray:
+    """A 64-bit hash of each row's bytes (a random linear form, wrapping), in chunks of about 4 MiB of
+    uint64 products: a million rows cost 8 MB of hashes, not a copy of the data."""
     weights = np.random.default_rng(0x5EED).integers(1, 2**63, size=flat.shape[1], dtype=np.uint64) | np.uint64(1)
+    chunk = max(1, chunk_bytes // (8 * max(1, flat.shape[1])))
     out = np.empty(flat.shape[0], dtype=np.uint64)
     for start in range(0, flat.shape[0], chunk):
         out[start : start + chunk] = (flat[start : start + chunk].astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
