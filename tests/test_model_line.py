@@ -4,6 +4,7 @@ sha256, rollback along the history, and the `fedpipe models` commands over it.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from dataclasses import replace
@@ -263,3 +264,14 @@ def test_the_models_commands(line, tmp_path):
     assert bad.exit_code == 2 and "no version promoted before the current one" in bad.output
     missing = fedpipe("models", "show", "digits@7")
     assert missing.exit_code == 2 and "no version 7" in missing.output
+
+
+def test_a_file_rewritten_through_the_store_after_registration_is_refused(line):
+    """The store records a new sha256 with a rewrite, so only the record's own file hashes (pinned by the
+    promoted pointer through the record's sha256) show that state.pt or a client's model was swapped."""
+    line.register(_record(), {"state.pt": b"the trained state", "clients/0.pt2": b"c0"})
+    assert line.record(1).files["state.pt"] == hashlib.sha256(b"the trained state").hexdigest()
+    line.store.put(line.keys.version(1) + "state.pt", b"someone else's weights")
+    with pytest.raises(CorruptArtifactError, match="changed after registration"):
+        line.read(1, "state.pt", 1000)
+    assert line.read(1, "clients/0.pt2", 100) == b"c0"

@@ -133,11 +133,12 @@ class VersionRecord:
     clients: tuple[str, ...]  # the clients with a personalized model (names for natural partitions, else ids)
     decision: dict = field(default_factory=dict)  # the gate's: promoted (bool), reason, figures
     created: str = ""  # ISO time
+    files: dict = field(default_factory=dict)  # file -> sha256 at registration: a file changed since is refused
 
     def to_json(self) -> dict:
         return {"format": RECORD_FORMAT, "version": self.version, "run_id": self.run_id, "spec": self.spec.to_json(),
                 "config_yaml": self.config_yaml, "data_snapshot": self.data_snapshot, "summary": self.summary,
-                "clients": list(self.clients), "decision": self.decision, "created": self.created}
+                "clients": list(self.clients), "decision": self.decision, "created": self.created, "files": self.files}
 
     @classmethod
     def from_json(cls, tree: Any, where: str) -> VersionRecord:
@@ -155,7 +156,8 @@ class VersionRecord:
         return cls(version=_typed(tree, "version", int, where), run_id=_typed(tree, "run_id", str, where),
                    spec=ModelSpec.from_json(tree.get("spec"), where), config_yaml=_typed(tree, "config_yaml", str, where),
                    data_snapshot=snapshot, summary=_typed(tree, "summary", dict, where), clients=tuple(clients),
-                   decision=_typed(tree, "decision", dict, where), created=_typed(tree, "created", str, where))
+                   decision=_typed(tree, "decision", dict, where), created=_typed(tree, "created", str, where),
+                   files=_file_hashes(tree.get("files", {}), where))
 
 
 @dataclass(frozen=True)
@@ -357,7 +359,8 @@ class ModelLine:
                 continue  # another registration took n: take the next
             for rel, data in zip(keys, files.values()):
                 self.store.put(self.keys.version(n) + rel, data)
-            record = replace(record_without_version, version=n, created=record_without_version.created or _now())
+            record = replace(record_without_version, version=n, created=record_without_version.created or _now(),
+                             files={rel: sha256_hex(data) for rel, data in zip(keys, files.values())})
             if self.store.create(self.keys.record(n), _encode(record.to_json())):
                 return record
         raise StoreError(f"Could not register a version of model line {self.name!r} in {self.store.url()}: "
@@ -421,7 +424,18 @@ class ModelLine:
             check_size(known, max_bytes, where, f"file {key}", CorruptArtifactError)
         data = self.store.get(full)
         check_size(len(data), max_bytes, where, f"file {key}", CorruptArtifactError)
+        registered = self.record(version).files.get(key)
+        if registered is not None and sha256_hex(data) != registered:  # rewritten through the store, hash and all
+            raise CorruptArtifactError(f"Model line {self.name!r}, version {version}: {where} has sha256 {sha256_hex(data)[:16]}..., "
+                                       f"not the {registered[:16]}... registered with the version: it was changed after "
+                                       "registration. Nothing is read from it; promote or warm-start from another version.")
         return data
+
+
+def _file_hashes(value: Any, where: str) -> dict:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in value.items()):
+        raise _bad(where, "the field 'files' is not an object of file -> sha256")
+    return value
 
 
 def _number(name: str, version: Any) -> int:
