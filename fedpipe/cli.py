@@ -118,6 +118,24 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     summary["report"] = r.store.url(r.layout.report_dir)
     _print_summary(summary)
     typer.echo(f"  report as HTML         {folder / 'evaluate' / 'report'} (the pipeline's artifact)")
+    if cfg.registry.name:
+        _print_publication(r.store, cfg.registry.name, r.layout.run_id)
+
+
+def _print_publication(store, name: str, run_id: str) -> None:
+    """The publish task's outcome: this run's version of the model line, the gate's decision, what is promoted."""
+    from fedpipe.models.line import ModelLine
+
+    line = ModelLine(store, name)
+    mine = [line.record(v) for v in line.versions()[::-1][:50]]
+    mine = [rec for rec in mine if rec.run_id == run_id][:1]
+    if not mine:
+        typer.echo(f"  model line             {name}: this run was not registered (see the publish task's log)")
+        return
+    rec = mine[0]
+    verdict = "promoted" if rec.decision.get("promoted") else "not promoted"
+    typer.echo(f"  model line             {name} version {rec.version}: {verdict} ({rec.decision.get('reason', '')}); "
+               f"promoted now: version {line.promoted()}")
 
 
 @app.command()
