@@ -68,6 +68,17 @@ def run_tool(argv: list[str], check: bool = True) -> subprocess.CompletedProcess
     return proc
 
 
+
+def schema_rejection(helm: str, tmp_path: Path, values: dict) -> str:
+    """`helm template` with `values` must fail on the chart's values schema; returns its stderr with the value's
+    path in dots (Helm 4 names it as a JSON pointer, /signing/enabled; Helm 3 with dots)."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(values))
+    proc = run_tool([helm, "template", RELEASE, str(CHART), "-f", str(path)], check=False)
+    assert proc.returncode != 0, f"{values} was accepted"
+    assert "schema" in proc.stderr, proc.stderr
+    return proc.stderr.replace("/", ".")
+
 def parse_docs(text: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 

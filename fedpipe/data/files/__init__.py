@@ -15,6 +15,7 @@ enters the run's id: new data is a new run, and the same data resumes the same r
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ from fedpipe.data.files.rows import ClientRows, Problems
 from fedpipe.errors import ConfigError, DataError
 from fedpipe.safe_load import parse_yaml
 from fedpipe.store.source import DataSource, SourceObject, open_source
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DataCheck", "check_files", "current_snapshot", "load_files", "read_manifest", "snapshot_of"]
 
@@ -41,6 +44,7 @@ class DataCheck:
     rows: ClientRows | None
     snapshot: dict | None
     problems: Problems
+    files_read: int = 0  # the data files the layout read (the snapshot covers every file listed)
 
 
 def read_manifest(source: DataSource, objects: list[SourceObject]) -> DataManifest:
@@ -79,17 +83,6 @@ def current_snapshot(url: str) -> dict:
     return snapshot_of(source, source.list())
 
 
-def _read(source: DataSource, manifest: DataManifest, objects: list[SourceObject], image_size: int | None,
-          problems: Problems) -> tuple[ClientRows | None, list[SourceObject]]:
-    """The rows of the manifest's layout and the objects they came from (the manifest included)."""
-    from fedpipe.data.files import images, tables
-
-    reader = images.read_image_folders if manifest.source.layout == "image_folders" else tables.read_table
-    used = [o for o in objects if o.key == MANIFEST_NAME]
-    rows, read = reader(source, objects, manifest, image_size, problems)
-    return rows, used + read
-
-
 def check_files(url: str, image_size: int | None = None) -> DataCheck:
     """Read the source as a run would and return every problem found instead of raising on the first."""
     source = open_source(url)
@@ -100,10 +93,13 @@ def check_files(url: str, image_size: int | None = None) -> DataCheck:
     except DataError as exc:
         problems.error("manifest", source.url(MANIFEST_NAME), str(exc))
         return DataCheck(source.url(), None, None, None, problems)
-    rows, used = _read(source, manifest, objects, image_size, problems)
+    from fedpipe.data.files import images, tables
+
+    reader = images.read_image_folders if manifest.source.layout == "image_folders" else tables.read_table
+    rows, read = reader(source, objects, manifest, image_size, problems)
     if rows is not None:
-        _check_rows(rows, manifest, problems)
-    return DataCheck(source.url(), manifest, rows, snapshot_of(source, objects), problems)
+        _check_rows(rows, problems)
+    return DataCheck(source.url(), manifest, rows, snapshot_of(source, objects), problems, len(read))
 
 
 def load_files(url: str, image_size: int | None = None, expected_snapshot: str | None = None) -> DatasetBundle:
@@ -121,9 +117,7 @@ def load_files(url: str, image_size: int | None = None, expected_snapshot: str |
             "data.snapshot unset; fedpipe records it), or restore the files the run was made from."
         )
     for w in check.problems.summary("warning"):
-        import logging
-
-        logging.getLogger(__name__).warning("%s: %s", check.source, w)
+        log.warning("%s: %s", check.source, w)
     train = LabeledArrays(rows.x, rows.y)
     digest = hashlib.sha256()
     for a in (rows.x, rows.y, rows.clients):
@@ -135,7 +129,7 @@ def load_files(url: str, image_size: int | None = None, expected_snapshot: str |
     )
 
 
-def _check_rows(rows: ClientRows, manifest: DataManifest, problems: Problems) -> None:
+def _check_rows(rows: ClientRows, problems: Problems) -> None:
     """Checks across files: the same sample under two clients (a leak between clients' splits)."""
     if len(rows.y) == 0:
         problems.error("no samples", "the source", "no sample could be read; check the layout in the manifest")

@@ -41,7 +41,8 @@ def check_report(url: str, image_size: int | None = None, min_client_size: int =
             drawn = _natural_split(check, min_client_size, heatmap)
     if check.snapshot:
         s = check.snapshot
-        lines.append(f"on disk      {s['objects']} files, {s['bytes'] / 1e6:.1f} MB; snapshot {s['digest'][:16]}...")
+        lines.append(f"on disk      {s['objects']} files, {s['bytes'] / 1e6:.1f} MB, {check.files_read} read by the layout; "
+                     f"snapshot {s['digest'][:16]}...")
     if drawn is not None:
         lines.append(f"heatmap      {drawn}")
     for severity in ("error", "warning"):
