@@ -161,6 +161,16 @@ class EvalConfig(Section):
     personalized_on_global_test: bool = False
     """Also score every client's personalized model on the balanced global test set (the mixture-of-
     experts paper's global column: how well specialists generalise); costs clients x test-set forwards."""
+    candidates: Literal["per_client", "pooled"] = "per_client"
+    """Where a method offers several personalized models per client (SuPerFed's lam grid), which one
+    counts: per_client, each client's pick on its own validation split (SuPerFed's protocol, noisy with
+    ~20 validation samples); pooled, one candidate for every client, best on the validation splits pooled
+    over clients (less noisy, still honest). The summary reports both, and the test-oracle pick, beside."""
+    split: Literal["test", "validation"] = "test"
+    """Which held-out data evaluation scores. test: each client's test split and the global test set.
+    validation: for tuning (a study's trials): the test splits are dropped from memory before training,
+    each client is scored on its validation split and the global model on the clients' validation
+    splits pooled, so nothing a trial reports has seen test data."""
 
 
 class EngineConfig(Section):
@@ -210,6 +220,13 @@ class TelemetryConfig(Section):
     values first (60: four scrapes at the chart's 15 s interval; 0: delete at once). After deletion
     Prometheus keeps the history in its TSDB and marks the series stale, so the dashboard stops showing
     the finished run as live. An unreachable Pushgateway only logs a warning."""
+    mlflow: str | None = Field(None, max_length=MAX_URL_CHARS)
+    """MLflow tracking URI for per-round metrics, the config as params and the report as artifacts
+    (None: env MLFLOW_TRACKING_URI, else no MLflow tracking). Credentials go in MLflow's own variables
+    (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), never in the URI.
+    An unreachable server only logs a warning."""
+    mlflow_experiment: str = Field("fedpipe", min_length=1, max_length=500)
+    """The MLflow experiment runs are logged in (created when missing), unless MLFLOW_EXPERIMENT_ID is set."""
 
     @field_validator("pushgateway")
     @classmethod
@@ -217,6 +234,13 @@ class TelemetryConfig(Section):
         return v if v is None else refuse_url_credentials(
             v, "telemetry.pushgateway", "a Pushgateway that needs authentication is reached through a proxy or a "
             "service mesh (an Istio sidecar) that adds it, never through the URL.")
+
+    @field_validator("mlflow")
+    @classmethod
+    def _no_mlflow_credentials(cls, v: str | None) -> str | None:
+        return v if v is None else refuse_url_credentials(
+            v, "telemetry.mlflow", "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, "
+            "in the environment instead.", bare_is_host=False)
 
 
 def apply_override(tree: dict, assignment: str) -> None:

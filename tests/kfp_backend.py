@@ -25,6 +25,10 @@ through on a cluster, each rule from the Go (or Python) source it cites (kubeflo
    parses ``--executor_input`` as JSON and hands the function each parameter its signature names from
    ``inputs.parameterValues``.
 
+4. **loops and dsl.Collected** (driver.go at 2.5.0: ``DAG``, ``resolveInputs``, ``getDAGTasks``,
+   ``resolveUpstreamParameters``; at 2.14.0 resolve.go: the same plus ``CollectInputs``; the Argo side in
+   backend/src/v2/compiler/argocompiler/dag.go, ``iteratorTask``): see ``_run_loop`` and ``_collected``.
+
 It is a model, not KFP: no Argo, no MLMD, no artifacts' bytes. It answers one question per task: what
 does the component's function receive, and what does the driver put in the pod's resources.
 """
@@ -35,6 +39,7 @@ import json
 import random
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +47,9 @@ import numpy as np
 # Backend versions whose launcher differs: up to 2.13.x one random-order pass, from 2.14.0 {{$}} first.
 RANDOM_ORDER = "2.5.0"
 EXECUTOR_INPUT_FIRST = "2.14.0"
+# The first backend whose driver resolves a ParallelFor's outputs for a task after the loop (dsl.Collected):
+# kubeflow/pipelines#11725 "enable dsl.Collected for parameters & artifacts", commit ed828b5, first tagged 2.14.0.
+COLLECTED = "2.14.0"
 
 JOB_PLACEHOLDERS = {  # driver: resolveInputParameter, RuntimeValue constants replaced whole
     "{{$.pipeline_job_name}}": "fedpipe-run-display-name",
@@ -89,10 +97,28 @@ class TaskRun:
     parameters: dict  # what the component's function is called with (its declared input parameters)
     resources: dict = field(default_factory=dict)  # pod resources the driver resolved (cpu_limit, accelerator_count, ...)
     outputs: dict = field(default_factory=dict)  # its output parameters (made-up values downstream tasks receive)
+    upstream: frozenset = frozenset()  # every task run that Argo finishes before this one starts
 
 
-def _resolve_task_inputs(task: dict, component: dict, dag_inputs: dict, produced: dict, name: str) -> dict:
-    """driver.go resolveInputs: every task input, then the declared ones type-checked and converted."""
+@dataclass
+class LoopRun(TaskRun):
+    """A ParallelFor (a task with a parameterIterator): `parameters` are its resolved inputs, `items` what it
+    iterates over, `parallelism` the limit Argo's loop template gets (None: unlimited)."""
+
+    items: list = field(default_factory=list)
+    parallelism: int | None = None
+    iterations: list = field(default_factory=list)  # per iteration: {inner task name: its outputs}
+    dag_outputs: dict = field(default_factory=dict)  # the loop component's dag.outputs.parameters
+
+
+def _version(tag: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in tag.split("."))
+
+
+def _resolve_task_inputs(task: dict, component: dict, dag_inputs: dict, produced: dict, name: str, version: str,
+                         skip: tuple = ()) -> dict:
+    """driver.go resolveInputs: every task input, then the declared ones type-checked and converted
+    (`skip`: the loop's item input, which the loop's own driver does not have yet)."""
     values = {}
     for key, spec in task.get("inputs", {}).get("parameters", {}).items():
         if "componentInputParameter" in spec:
@@ -102,14 +128,27 @@ def _resolve_task_inputs(task: dict, component: dict, dag_inputs: dict, produced
             values[key] = dag_inputs[source]
         elif "taskOutputParameter" in spec:
             out = spec["taskOutputParameter"]
-            values[key] = produced[out["producerTask"]][out["outputParameterKey"]]
+            producer = produced[out["producerTask"]]
+            if isinstance(producer, LoopRun):
+                values[key] = _collected(producer, out["outputParameterKey"], version, name)
+            else:
+                values[key] = producer[out["outputParameterKey"]]
         elif "runtimeValue" in spec:
             constant = spec["runtimeValue"]["constant"]
             values[key] = JOB_PLACEHOLDERS.get(constant, constant) if isinstance(constant, str) else constant
         else:
             raise BackendError(f"{name}: input {key} has a kind the model does not know: {sorted(spec)}")
+    return _validate_and_convert(values, component, name, skip)
+
+
+def _validate_and_convert(values: dict, component: dict, name: str, skip: tuple = ()) -> dict:
+    """driver.go resolveInputs' handleParamTypeValidationAndConversion, over the *component's* declared
+    inputs (for a loop's driver and each iteration's: the loop's DAG component): a STRING input given
+    another kind becomes its text (metadata/converter.go PbValueToText), any other type must match."""
     declared = component.get("inputDefinitions", {}).get("parameters", {})
     for key, spec in declared.items():
+        if key in skip:
+            continue
         if key not in values:
             if "defaultValue" not in spec and not spec.get("isOptional"):
                 raise BackendError(f"{name}: neither value nor default value provided for non-optional parameter {key!r}")
@@ -121,6 +160,46 @@ def _resolve_task_inputs(task: dict, component: dict, dag_inputs: dict, produced
                 wanted.startswith("NUMBER") and isinstance(value, bool)):
             raise BackendError(f"{name}: input parameter {key!r} type mismatch: expect {wanted}, got {_kind(value)}")
     return values
+
+
+def _items(value, name: str) -> list:
+    """driver.go getItems: a list value, or a string holding a JSON list; anything else cannot be iterated."""
+    if isinstance(value, list):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise BackendError(f"{name}: iterating on item input failed: {e}") from None
+        if isinstance(parsed, list):
+            return parsed
+        return []  # structpb: GetListValue() of a non-list is nil, so no items
+    raise BackendError(f"{name}: iterating on item input failed: value of type {_kind(value)} cannot be iterated")
+
+
+def _collected(loop: LoopRun, key: str, version: str, name: str) -> list:
+    """What a task after a ParallelFor receives for a loop output (dsl.Collected, compiled as the loop DAG's
+    output parameter `key` with valueFromParameter {producerSubtask, outputParameterKey}).
+
+    2.5.0 (driver.go, resolveUpstreamParameters): getDAGTasks skips a DAG execution that has an
+    "iteration_count" ("Found a ParallelFor task ... Skipping it"), so the loop's inner tasks are not in the
+    task map: the producer subtask is not found and the task fails ("subTaskName, ..., not in tasks").
+    2.14.0 on (resolve.go, resolveUpstreamParameters -> getParallelForIterationCount -> CollectInputs): with
+    iteration_count > 0 the value is a list of the producer subtask's output in each iteration, in
+    iteration order (the BFS queue holds iterations 0..n-1); with 0 iterations it does not collect but
+    falls through to GetProducerTask and fails the same way as 2.5.0."""
+    spec = loop.dag_outputs.get(key, {})
+    if "valueFromParameter" not in spec:
+        raise BackendError(f"{name}: loop output {key} is not a valueFromParameter (not in this model)")
+    subtask, inner_key = spec["valueFromParameter"]["producerSubtask"], spec["valueFromParameter"]["outputParameterKey"]
+    if _version(version) < _version(COLLECTED):
+        raise BackendError(f"{name}: KFP {version} cannot resolve {key} of ParallelFor {loop.name} (dsl.Collected): "
+                           f"getDAGTasks skips the loop's DAG, so subTaskName, {subtask}, not in tasks (needs KFP {COLLECTED}+)")
+    if not loop.iterations:
+        raise BackendError(f"{name}: ParallelFor {loop.name} had no iteration: nothing to collect, subTaskName, {subtask}, not in tasks")
+    if any(isinstance(it[subtask], LoopRun) for it in loop.iterations):
+        raise BackendError(f"{name}: collecting from nested loops is not in this model")
+    return [it[subtask][inner_key] for it in loop.iterations]
 
 
 def _executor_input(values: dict, component: dict) -> dict:
@@ -200,6 +279,18 @@ def _pod_resources(container: dict, executor_input: dict) -> dict:
     return out
 
 
+def _needs(task: dict) -> set[str]:
+    """The tasks of the same DAG that must finish first: dependentTasks (the compiler adds every producer:
+    argocompiler/dag.go addImplicitDependencies; Argo `depends` on each, iteratorTask too) and producers."""
+    needs = set(task.get("dependentTasks", []))
+    for kind in ("parameters", "artifacts"):
+        for spec in task.get("inputs", {}).get(kind, {}).values():
+            for key in ("taskOutputParameter", "taskOutputArtifact"):
+                if key in spec:
+                    needs.add(spec[key]["producerTask"])
+    return needs
+
+
 def _topological(tasks: dict) -> list[str]:
     order, seen = [], set()
 
@@ -207,14 +298,7 @@ def _topological(tasks: dict) -> list[str]:
         if name in seen:
             return
         seen.add(name)
-        task = tasks[name]
-        needs = set(task.get("dependentTasks", []))
-        for kind in ("parameters", "artifacts"):
-            for spec in task.get("inputs", {}).get(kind, {}).values():
-                for key in ("taskOutputParameter", "taskOutputArtifact"):
-                    if key in spec:
-                        needs.add(spec[key]["producerTask"])
-        for other in sorted(needs):
+        for other in sorted(_needs(tasks[name])):
             visit(other)
         order.append(name)
 
@@ -223,28 +307,96 @@ def _topological(tasks: dict) -> list[str]:
     return order
 
 
-def run_pipeline(spec: dict, arguments: dict, version: str, rng: random.Random) -> dict[str, TaskRun]:
-    """Every container task of the pipeline's root DAG, in dependency order, under `version`."""
+def made_up_outputs(run_name: str, component: dict, parameters: dict) -> dict:
+    """Default outputs of a container task: a recognisable value of each declared output's type (a LIST is
+    two one-element lists, so that a ParallelFor over it has two iterations whose items are lists)."""
+    out = {}
+    for k, spec in component.get("outputDefinitions", {}).get("parameters", {}).items():
+        tag = f"<{run_name}.{k}>"
+        out[k] = {"LIST": [[f"{tag}[0]"], [f"{tag}[1]"]], "STRUCT": {"value": tag}, "NUMBER_INTEGER": 1, "NUMBER_DOUBLE": 0.5,
+                  "BOOLEAN": True}.get(spec.get("parameterType"), tag)
+    return out
+
+
+Outputs = Callable[[str, dict, dict], dict]
+
+
+def run_pipeline(spec: dict, arguments: dict, version: str, rng: random.Random, outputs: Outputs = made_up_outputs) -> dict[str, TaskRun]:
+    """Every task of the pipeline, in dependency order, under `version`: container tasks of the root DAG by
+    their task name, loops (LoopRun) too, and each iteration's tasks as `<loop>[<i>]/<task>`. `outputs`
+    gives each container task's output parameters from what it received (default: made-up strings)."""
     root = spec["root"]
     inputs = {k: v.get("defaultValue") for k, v in root.get("inputDefinitions", {}).get("parameters", {}).items()}
     inputs.update(arguments)
+    runs: dict[str, TaskRun] = {}
+    _run_dag(spec, root, inputs, version, rng, runs, "", frozenset(), outputs)
+    return runs
+
+
+def _run_dag(spec: dict, dag: dict, dag_inputs: dict, version: str, rng: random.Random, runs: dict, prefix: str,
+             before: frozenset, outputs: Outputs) -> dict:
+    """One DAG's tasks; returns {task name: its outputs (a dict) or its LoopRun}."""
     executors = spec["deploymentSpec"]["executors"]
-    produced: dict[str, dict] = {}
-    runs = {}
-    tasks = root["dag"]["tasks"]
+    produced: dict = {}
+    finished: dict[str, frozenset] = {}
+    tasks = dag["dag"]["tasks"]
     for name in _topological(tasks):
         task = tasks[name]
         component = spec["components"][task["componentRef"]["name"]]
+        upstream = before.union(*(finished[d] for d in _needs(task)))
+        run_name = prefix + name
+        if "artifactIterator" in task:  # driver.go DAG: "ArtifactIterator is not implemented"
+            raise BackendError(f"{run_name}: ArtifactIterator is not implemented")
+        if "parameterIterator" in task:
+            known = set(runs)
+            loop = _run_loop(spec, task, component, dag_inputs, produced, version, rng, runs, run_name, upstream, outputs)
+            produced[name], runs[run_name] = loop, loop
+            finished[name] = upstream | {run_name} | (set(runs) - known)
+            continue
         if "dag" in component:
-            raise BackendError(f"{name}: nested DAGs are not in this model; extend it before shipping one")
+            raise BackendError(f"{run_name}: nested DAGs other than ParallelFor are not in this model; extend it before shipping one")
         container = executors[component["executorLabel"]]["container"]
-        values = _resolve_task_inputs(task, component, inputs, produced, name)
+        values = _resolve_task_inputs(task, component, dag_inputs, produced, run_name, version)
         executor_input = _executor_input(values, component)
         args = substitute(list(container.get("command", [])) + list(container.get("args", [])), executor_input, version, rng)
-        outputs = {k: f"<{name}.{k}>" for k in component.get("outputDefinitions", {}).get("parameters", {})}
-        produced[name] = outputs
-        runs[name] = TaskRun(name, _received(args, component, name), _pod_resources(container, executor_input), outputs)
-    return runs
+        received = _received(args, component, run_name)
+        produced[name] = outputs(run_name, component, received)
+        runs[run_name] = TaskRun(run_name, received, _pod_resources(container, executor_input), produced[name], upstream)
+        finished[name] = upstream | {run_name}
+    return produced
+
+
+def _run_loop(spec: dict, task: dict, component: dict, dag_inputs: dict, produced: dict, version: str, rng: random.Random,
+              runs: dict, run_name: str, upstream: frozenset, outputs: Outputs) -> LoopRun:
+    """A ParallelFor, as the 2.5.0 and 2.14+ drivers run it (driver.go DAG and resolveInputs; resolve.go
+    at 2.14.0 keeps the same iteration rules). The loop's own driver resolves the task's inputs against
+    the loop's DAG component, without the item input, and counts the items (getItems: a list, or a
+    string of a JSON list); Argo runs that many iterations (argocompiler/dag.go iteratorTask: withSequence
+    of the count, the loop template's `parallelism` = iteratorPolicy.parallelismLimit when > 0). Each
+    iteration's driver starts from the loop's resolved inputs, drops the items input, sets the item input
+    to items[i], and validates against the loop component's declared types again: an item declared
+    STRING becomes JSON text there, whatever the inner task declares. The inner tasks then resolve their
+    componentInputParameters from those values."""
+    iterator = task["parameterIterator"]
+    item_input, items_spec = iterator["itemInput"], iterator["items"]
+    values = _resolve_task_inputs(task, component, dag_inputs, produced, run_name, version, skip=(item_input,))
+    if "inputParameter" in items_spec:
+        items_input = items_spec["inputParameter"]
+        if items_input not in values:
+            raise BackendError(f"{run_name}: iterating on item input {item_input!r} failed: cannot find input parameter")
+        items = _items(values[items_input], run_name)
+    else:  # raw: the JSON text of the items, added to the loop's inputs under the item input's name
+        items_input = item_input
+        values[item_input] = items = _items(items_spec["raw"], run_name)
+    limit = task.get("iteratorPolicy", {}).get("parallelismLimit", 0)
+    loop = LoopRun(run_name, dict(values), upstream=upstream, items=list(items), parallelism=limit if limit > 0 else None,
+                   dag_outputs=component["dag"].get("outputs", {}).get("parameters", {}))
+    for i, item in enumerate(items):
+        iteration = {k: v for k, v in values.items() if k != items_input}
+        iteration[item_input] = item
+        iteration = _validate_and_convert(iteration, component, f"{run_name}[{i}]", skip=(items_input,))
+        loop.iterations.append(_run_dag(spec, component, iteration, version, rng, runs, f"{run_name}[{i}]/", upstream | {run_name}, outputs))
+    return loop
 
 
 def unresolved(value, path: str = "") -> list[str]:

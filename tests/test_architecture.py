@@ -32,12 +32,13 @@ SOURCE_DIRS = {
 #: a higher one. An entry names a module or a package (and then everything under it), except the root
 #: package itself, which names only fedpipe/__init__.py (and its __version__).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("ground", ("fedpipe.errors", "fedpipe.seeding", "fedpipe.config", "fedpipe.safe_load", "fedpipe")),
+    ("ground", ("fedpipe.errors", "fedpipe.seeding", "fedpipe.config", "fedpipe.safe_load", "fedpipe.search_space", "fedpipe")),
     ("base", ("fedpipe.data", "fedpipe.nn", "fedpipe.store", "fedpipe.telemetry", "fedpipe.plots")),
     ("algorithms", ("fedpipe.algorithms",)),
     ("engine", ("fedpipe.engine",)),
     ("run", ("fedpipe.run",)),
     ("models", ("fedpipe.models",)),
+    ("study", ("fedpipe.study",)),
     ("entry", ("fedpipe.k8s", "fedpipe.components", "fedpipe.pipelines", "fedpipe.cli")),
 )
 

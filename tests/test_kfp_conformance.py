@@ -1,7 +1,8 @@
 """Every shipped pipeline, run through a model of the KFP backends users have (tests/kfp_backend.py):
 the 2.5.0 launcher (Kubeflow 1.10.1 / 1.10.2: placeholders substituted in a random order) under many
 orders and the 2.14+ one (Kubeflow 1.11, 26.03: `{{$}}` first). Every task must receive fully resolved
-and identical inputs under both, and the driver must find every pod resource it reads."""
+and identical inputs under both, and the driver must find every pod resource it reads. The study pipeline
+(dsl.Collected) needs 2.14.0: under the 2.5.0 model it must fail (tests/test_study_pipeline.py has the rest)."""
 
 import random
 
@@ -9,19 +10,31 @@ import pytest
 import yaml
 from kfp import compiler, dsl
 from kfp_backend import (
+    COLLECTED,
     EXECUTOR_INPUT_FIRST,
     KNOWN_FIELDS,
     RANDOM_ORDER,
     BackendError,
+    LoopRun,
     run_pipeline,
     unknown_platform_fields,
     unresolved,
 )
 
-from fedpipe.pipelines.builder import _QUANTITY, RESOURCE_PARAMETERS, SHIPPED, TASK_USER, DeployOptions
+from fedpipe.pipelines.builder import _QUANTITY, MIN_KFP_BACKEND, RESOURCE_PARAMETERS, SHIPPED, TASK_USER, DeployOptions
+from fedpipe.pipelines.study import STUDY_MIN_KFP
 
 PIPELINES = sorted(p.name for p in SHIPPED.glob("*.yaml"))
 ORDERS = 40  # random launcher orders per pipeline under 2.5.0; the old config task failed in ~97% of them
+FLOORS = {"study.yaml": STUDY_MIN_KFP}  # the oldest backend each shipped pipeline runs on (default MIN_KFP_BACKEND)
+
+
+def _runs_on_2_5(name: str) -> bool:
+    return FLOORS.get(name, MIN_KFP_BACKEND) == RANDOM_ORDER
+
+
+def test_the_study_pipelines_floor_is_the_first_backend_with_collected():
+    assert STUDY_MIN_KFP == COLLECTED and MIN_KFP_BACKEND == RANDOM_ORDER
 
 
 def _load(path):
@@ -58,6 +71,10 @@ def test_every_task_receives_resolved_identical_inputs_on_every_backend(name):
     reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
     for task in reference.values():
         assert not unresolved(task.parameters), f"{name}: {task.name} receives placeholders under 2.14+: {unresolved(task.parameters)}"
+    if not _runs_on_2_5(name):  # its floor is 2.14.0: the 2.5.0 driver cannot resolve dsl.Collected
+        with pytest.raises(BackendError, match="dsl.Collected"):
+            run_pipeline(spec, arguments, RANDOM_ORDER, random.Random(20))
+        return
     rng = random.Random(20)
     for _ in range(ORDERS):
         runs = run_pipeline(spec, arguments, RANDOM_ORDER, rng)
@@ -72,9 +89,12 @@ def test_every_task_receives_resolved_identical_inputs_on_every_backend(name):
 def test_each_pipeline_parameter_reaches_its_task_and_every_pod_resource_resolves(name):
     spec, _ = _load(SHIPPED / name)
     arguments = _changed_arguments(spec)
-    runs = run_pipeline(spec, arguments, RANDOM_ORDER, random.Random(1))
+    runs = run_pipeline(spec, arguments, RANDOM_ORDER if _runs_on_2_5(name) else EXECUTOR_INPUT_FIRST, random.Random(1))
     configs = [t for t in runs.values() if t.name.startswith("resolve-config")]
-    assert configs
+    assert configs or name == "study.yaml"
+    if name == "study.yaml":  # the study's one text reaches every task (each loop's tasks through the loop)
+        tasks = [t for t in runs.values() if not isinstance(t, LoopRun)]
+        assert len(tasks) > 4 and all(t.parameters["study_yaml"] == arguments["study_yaml"] for t in tasks)
     for task in configs:  # every config field the UI shows arrives under its own name, changed
         fields = task.parameters["defaults"]
         assert fields and all(task.parameters[dotted.replace(".", "_")] == arguments[dotted.replace(".", "_")] for dotted in fields)

@@ -42,6 +42,16 @@ def test_shipped_pipelines_and_components_are_up_to_date(tmp_path):
         assert open(shipped).read() == path.read_text(), f"components/{path.name} is out of date: run `fedpipe compile --all`"
 
 
+def test_the_shipped_study_pipeline_is_up_to_date(tmp_path):
+    """pipelines/study.yaml: examples/study_digits.yaml compiled for the release (pipelines/study.py)."""
+    from fedpipe.pipelines.study import compile_shipped_study
+
+    fresh = compile_shipped_study(tmp_path)
+    assert (SHIPPED / "study.yaml").read_text() == fresh.read_text(), (
+        "pipelines/study.yaml is out of date with the code: run `fedpipe compile --all` (or "
+        "fedpipe.pipelines.study.compile_shipped_study()) and commit the result")
+
+
 @pytest.mark.parametrize("method", list(ALGORITHMS))
 def test_one_task_per_phase_from_the_phase_list(method):
     spec = next(yaml.safe_load_all((SHIPPED / f"{method}.yaml").read_text()))

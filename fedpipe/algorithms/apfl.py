@@ -24,7 +24,7 @@ the global one.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -41,12 +41,16 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.search_space import Dimension, Uniform
 
 LOCAL, ALPHA = "local", "alpha"
 
 
 class APFLParams(MethodParams):
     """APFL: a global model by FedAvg, a local model per client, mixed by a learned weight alpha_i."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.alpha": Uniform(0.0, 1.0)}
+    """What a study tunes beside train.lr: the mixing weight alpha (APFL's paper sweeps 0..1)."""
 
     name: Literal["apfl"] = "apfl"
     alpha: float = Field(0.5, ge=0, le=1)

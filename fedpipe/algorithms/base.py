@@ -29,6 +29,7 @@ from torch.func import functional_call
 
 from fedpipe.algorithms.aggregation import NO_UPLOADS, WEIGHTED_MEAN, Aggregation, Params, custom, weighted_average
 from fedpipe.config import MAX_EPOCHS, Section
+from fedpipe.search_space import Dimension
 
 if TYPE_CHECKING:
     from fedpipe.data.federated import ClientData
@@ -121,6 +122,10 @@ class MethodParams(Section):
     this many epochs (a `finetune` phase; 0: none). pFedMB's comparisons fine-tune every method."""
     finetune_lr_scale: float = Field(1.0, gt=0)
     """Fine-tuning learning rate as a multiple of train.lr decayed to the fine-tuning round."""
+
+    #: What a study tunes for this method beside `fedpipe.search_space.COMMON_SPACE` (train.lr): config
+    #: paths to ranges, declared beside the fields (empty: only the shared ones)
+    search_space: ClassVar[dict[str, Dimension]] = {}
 
 
 class Algorithm(ABC):

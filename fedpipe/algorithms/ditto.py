@@ -17,7 +17,7 @@ the same shuffles as FedAvg, so Ditto's global model is FedAvg's, bit for bit (t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -36,10 +36,14 @@ from fedpipe.algorithms.base import (
 )
 from fedpipe.algorithms.regularizers import proximal_squared
 from fedpipe.config import MAX_EPOCHS
+from fedpipe.search_space import Dimension, LogUniform
 
 
 class DittoParams(MethodParams):
     """Ditto: FedAvg for the global model, plus a personal model pulled toward it."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.lam": LogUniform(0.01, 2.0)}
+    """What a study tunes beside train.lr: Ditto's paper sweeps lam over 0.01..2."""
 
     name: Literal["ditto"] = "ditto"
     lam: float = Field(0.1, ge=0)

@@ -48,7 +48,7 @@ between the models, so tune it with the model size.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -69,10 +69,14 @@ from fedpipe.algorithms.base import (
 )
 from fedpipe.algorithms.regularizers import proximal_squared
 from fedpipe.errors import ConfigError
+from fedpipe.search_space import Dimension, LogUniform
 
 
 class FedAMPParams(MethodParams):
     """FedAMP: per-client cloud models from attention over the clients' models, proximal local training."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.alpha_k": LogUniform(0.1, 10.0), "method.lam": LogUniform(0.1, 10.0), "method.sigma": LogUniform(0.1, 10.0)}
+    """What a study tunes beside train.lr: FedAMP's step, proximal weight and similarity scale (its paper tunes all three)."""
 
     name: Literal["fedamp"] = "fedamp"
     alpha_k: float = Field(1.0, gt=0)

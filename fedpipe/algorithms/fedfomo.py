@@ -33,7 +33,7 @@ Choices (the paper is silent or the official code differs):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -52,6 +52,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.search_space import Dimension, Uniform
 from fedpipe.seeding import torch_generator
 
 WEIGHTS, IDS = "fedfomo/weights", "fedfomo/ids"  # sent with the model: the w_n of Eq. 5 and whose models they weigh
@@ -70,6 +71,9 @@ def model_of(entry: Params) -> Params:
 
 class FedFomoParams(MethodParams):
     """FedFomo: each client mixes in the other clients' models that lower its validation loss."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.epsilon": Uniform(0.0, 0.5)}
+    """What a study tunes beside train.lr: the exploration rate of model selection."""
 
     name: Literal["fedfomo"] = "fedfomo"
     models_per_round: int = Field(5, ge=1, le=1024)  # downloads per client and round

@@ -51,7 +51,7 @@ import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -75,6 +75,7 @@ from fedpipe.algorithms.base import (
 from fedpipe.config import MAX_WIDTH
 from fedpipe.errors import ConfigError
 from fedpipe.nn.modular import ModularNetwork, PathLayout, RoutingHypernetwork
+from fedpipe.search_space import Dimension, LogUniform
 from fedpipe.seeding import derive_seed
 
 NET, ROUTER = "net.", "router."  # name prefixes of the pool's units and of the router
@@ -91,6 +92,9 @@ MAX_PATHS = 4096
 
 class FedMNParams(MethodParams):
     """FedMN: a shared pool of modular units; each client's router picks its architecture from its data."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.router_lr_scale": LogUniform(0.1, 10.0), "method.tau_end": LogUniform(0.01, 1.0)}
+    """What a study tunes beside train.lr: the router's rate and the final Gumbel temperature."""
 
     name: Literal["fedmn"] = "fedmn"
     units: tuple[int, ...] = (2, 2, 2)

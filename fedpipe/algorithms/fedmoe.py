@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -70,6 +70,7 @@ from fedpipe.algorithms.base import (
 )
 from fedpipe.config import MAX_EPOCHS
 from fedpipe.errors import ConfigError
+from fedpipe.search_space import Dimension, LogUniform
 from fedpipe.seeding import torch_generator
 
 FINETUNED, LOCAL, SPECIALIST, GATE, GLOBAL = "finetuned", "local", "specialist", "gate", "global"
@@ -88,6 +89,9 @@ def part(prefix: str, params: Params | None) -> Params:
 
 class FedMoEParams(MethodParams):
     """Federated mixture of experts: FedAvg, local specialists, then a gated mixture of the two."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.mixture_lr": LogUniform(0.0001, 0.01)}
+    """What a study tunes beside train.lr: the gate's learning rate."""
 
     name: Literal["fedmoe"] = "fedmoe"
     max_epochs: int = Field(500, ge=1, le=MAX_EPOCHS)

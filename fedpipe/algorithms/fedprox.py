@@ -3,7 +3,7 @@ local objective adds a proximal term toward the round's global model (Eq. 2)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -11,10 +11,14 @@ from pydantic import Field
 from fedpipe.algorithms.base import ClientContext, MethodParams, Params, Slots, cross_entropy
 from fedpipe.algorithms.fedavg import FedAvg
 from fedpipe.algorithms.regularizers import mixable_layers, proximal_layer_norms, proximal_squared
+from fedpipe.search_space import Dimension, LogUniform
 
 
 class FedProxParams(MethodParams):
     """FedProx: FedAvg plus a proximal term toward the round's global model."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.mu": LogUniform(0.001, 1.0)}
+    """What a study tunes beside train.lr: the proximal weight, the range FedProx's paper sweeps (0.001 to 1)."""
 
     name: Literal["fedprox"] = "fedprox"
     mu: float = Field(0.01, ge=0)

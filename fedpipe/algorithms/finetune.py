@@ -10,7 +10,7 @@ plain cross-entropy for E epochs, and keeps the result as its personalized model
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -31,6 +31,7 @@ from fedpipe.algorithms.base import (
 from fedpipe.algorithms.fedavg import FedAvg, FedAvgParams
 from fedpipe.algorithms.fedprox import FedProx, FedProxParams
 from fedpipe.config import MAX_EPOCHS
+from fedpipe.search_space import Dimension, IntRange, LogUniform
 
 FINETUNED = "finetuned/"  # prefix of the fine-tuned tensors in a client's kept state
 
@@ -136,6 +137,9 @@ class FineTuned(Algorithm):
 class FedAvgFTParams(FedAvgParams):
     """FedAvg, then local fine-tuning of the final global model on every client."""
 
+    search_space: ClassVar[dict[str, Dimension]] = {"method.finetune_epochs": IntRange(1, 10)}
+    """What a study tunes beside train.lr: how long each client fine-tunes."""
+
     name: Literal["fedavg_ft"] = "fedavg_ft"  # type: ignore[assignment]
     finetune_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)
     """Local epochs of fine-tuning per client after federated training (E of the fine-tuning step)."""
@@ -143,6 +147,9 @@ class FedAvgFTParams(FedAvgParams):
 
 class FedProxFTParams(FedProxParams):
     """FedProx, then local fine-tuning of the final global model on every client."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.mu": LogUniform(0.001, 1.0), "method.finetune_epochs": IntRange(1, 10)}
+    """What a study tunes beside train.lr: FedProx's mu and how long each client fine-tunes."""
 
     name: Literal["fedprox_ft"] = "fedprox_ft"  # type: ignore[assignment]
     finetune_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)

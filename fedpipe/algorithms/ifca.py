@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -51,6 +51,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
     federation_phase,
 )
+from fedpipe.search_space import Dimension, IntRange
 from fedpipe.seeding import derive_seed
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ def cluster_prefix(j: int) -> str:
 
 class IFCAParams(MethodParams):
     """IFCA: k cluster models; every client trains the one with the lowest loss on its data."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.clusters": IntRange(2, 5)}
+    """What a study tunes beside train.lr: the number of cluster models k."""
 
     name: Literal["ifca"] = "ifca"
     clusters: int = Field(2, ge=1, le=1024)  # k models on the server, each scored by every client

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -64,6 +64,7 @@ from fedpipe.algorithms.base import (
 )
 from fedpipe.config import MAX_EPOCHS
 from fedpipe.nn.multibranch import BranchLayout, project_onto_simplex
+from fedpipe.search_space import Dimension, LogUniform
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ ALPHA_LOGITS = "alpha_logits"  # a client's kept state with `simplex: softmax`: 
 
 class PFedMBParams(MethodParams):
     """pFedMB: multi-branch layers with client-specific branch weights alpha, alpha-weighted aggregation."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.lr_alpha": LogUniform(0.005, 0.5)}
+    """What a study tunes beside train.lr: the branch weights' step (Eq. 3)."""
 
     name: Literal["pfedmb"] = "pfedmb"
     num_branches: int = Field(5, ge=1, le=64)  # the paper: at most 10; cost grows B-fold

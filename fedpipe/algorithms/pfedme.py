@@ -28,7 +28,7 @@ averaging make pFedMe FedAvg with plain SGD at learning rate eta * lambda * p (t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -48,10 +48,14 @@ from fedpipe.algorithms.base import (
     federation_phase,
 )
 from fedpipe.config import MAX_EPOCHS
+from fedpipe.search_space import Dimension, LogUniform
 
 
 class PFedMeParams(MethodParams):
     """pFedMe: bi-level personalization through Moreau envelopes (Algorithm 1)."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.lam": LogUniform(1.0, 30.0), "method.personal_lr": LogUniform(0.003, 0.1)}
+    """What a study tunes beside train.lr: pFedMe's paper tunes lam in 0.5..30 and the personal rate."""
 
     name: Literal["pfedme"] = "pfedme"
     lam: float = Field(15.0, gt=0)

@@ -39,7 +39,7 @@ With mu = nu = 0 and no Phase II it is FedAvg; with nu = 0 and no Phase II it is
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -56,6 +56,7 @@ from fedpipe.algorithms.base import (
     cross_entropy,
 )
 from fedpipe.algorithms.regularizers import layer_kind, mixable_layers, proximal_layer_norms, squared_cosine
+from fedpipe.search_space import Dimension, LogUniform, Uniform
 from fedpipe.seeding import torch_generator
 
 
@@ -87,6 +88,9 @@ class _SuPerFedFields(MethodParams):
 class SuPerFedMMParams(_SuPerFedFields):
     """SuPerFed with Model Mixing: one lam ~ U(0, 1) per mini-batch for the whole model."""
 
+    search_space: ClassVar[dict[str, Dimension]] = {"method.mu": LogUniform(0.001, 1.0), "method.nu": Uniform(0.0, 5.0), "method.start_fraction": Uniform(0.3, 0.9)}
+    """What a study tunes beside train.lr: the paper's sweeps (Sec. 5): mu and nu from 0 up, L where Phase II starts."""
+
     name: Literal["superfed_mm"] = "superfed_mm"
     nu: float = Field(1.0, ge=0)
     """Weight of the orthogonality term cos^2(w_g, w_l) in Phase II (official default 1 for MM)."""
@@ -100,6 +104,9 @@ class SuPerFedLMParams(_SuPerFedFields):
     """L: Phase II (personalization) starts after floor(L * train.rounds) rounds (official 0.8 for LM)."""
     nu: float = Field(2.0, ge=0)
     """Weight of the orthogonality term cos^2(w_g, w_l) in Phase II (official default 2 for LM)."""
+
+    search_space: ClassVar[dict[str, Dimension]] = {"method.mu": LogUniform(0.001, 1.0), "method.nu": Uniform(0.0, 5.0), "method.start_fraction": Uniform(0.5, 0.95)}
+    """What a study tunes beside train.lr: as Model Mixing's, with L later (Layer Mixing's official 0.8)."""
 
 
 class SuPerFedMM(Algorithm):

@@ -42,6 +42,17 @@ class FederatedData:
     def num_clients(self) -> int:
         return len(self.clients)
 
+    def validation_as_test(self) -> FederatedData:
+        """The data a tuning trial sees: each client's test split replaced by its validation split and the
+        global test set by the clients' validation splits pooled (the federating clients'), so the test
+        tensors are dropped before training and nothing downstream can score them (`eval.split`)."""
+        clients = tuple(ClientData(c.client_id, c.train, c.val, c.val, c.opt_out) for c in self.clients)
+        pooled = [c.val for c in self.clients if not c.opt_out and len(c.val)]
+        if not pooled:
+            raise DataError("eval.split=validation needs validation data, but no client has a validation split: set partition.val_fraction > 0.")
+        glob = Split(torch.cat([v.x for v in pooled]), torch.cat([v.y for v in pooled]))
+        return FederatedData(clients, glob, self.num_classes, self.input_shape, self.client_names)
+
 
 def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of uint8 images, on the 0..1 scale."""

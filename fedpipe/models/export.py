@@ -379,7 +379,8 @@ def export_run(run: Run) -> tuple[dict[str, bytes], ServingSpec, tuple[str, ...]
         global_file = ServedFile("global" + SUFFIX[e.format], e.format, e.exporter)
         files[global_file.file] = e.data
     data = prepare_data(run.bundle, partition, cpu)
-    result = evaluate_personalized(algorithm, state.server, state.clients, data, run.cfg.eval.batch_size, run.cfg.eval.ece_bins)
+    result = evaluate_personalized(algorithm, state.server, state.clients, data, run.cfg.eval.batch_size, run.cfg.eval.ece_bins,
+                                   candidates=run.cfg.eval.candidates)
     names = [partition.client_names[c.client_id] if partition.client_names else str(c.client_id) for c in result.clients]
     clients: dict[str, ServedFile] = {}
     for c, name, stem in zip(result.clients, names, client_file_stems(names)):

@@ -141,7 +141,7 @@ def gate_metric(metric: str, accuracies: list[float], global_accuracy: float | N
 
 
 def _score(algorithm, server, clients, data: FederatedData, names: dict[int, str], cfg: RunConfig) -> Scores:
-    pers = evaluate_personalized(algorithm, server, clients, data, cfg.eval.batch_size, cfg.eval.ece_bins)
+    pers = evaluate_personalized(algorithm, server, clients, data, cfg.eval.batch_size, cfg.eval.ece_bins, candidates=cfg.eval.candidates)
     glob = evaluate_global(algorithm, server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
     return Scores({names[c.client_id]: c.accuracy for c in pers.clients}, None if glob is None else glob.accuracy)
 

@@ -29,7 +29,8 @@ class Evaluation:
         cfg, phase = self.cfg, result.phase
         if not (result.last or (cfg.every and (result.round - phase.first_round + 1) % cfg.every == 0)):
             return
-        pers = evaluate_personalized(self.algorithm, state.server, state.clients, self.data, cfg.batch_size, cfg.ece_bins)
+        pers = evaluate_personalized(self.algorithm, state.server, state.clients, self.data, cfg.batch_size, cfg.ece_bins,
+                                     candidates=cfg.candidates)
         result.scores["personalized"] = pers.mean_accuracy
         glob = evaluate_global(self.algorithm, state.server, self.data, cfg.batch_size, cfg.ece_bins)
         result.scores["global"] = glob.accuracy if glob else None

@@ -132,7 +132,8 @@ DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
 
 #: (section, field, unset value) of the fields added after runs were first made: left out of the
 #: fingerprint while unset, so upgrading fedpipe does not move existing runs to new ids.
-LATER_FIELDS = (("data", "source", None), ("data", "image_size", None), ("data", "snapshot", None), ("train", "init_from", "none"))
+LATER_FIELDS = (("data", "source", None), ("data", "image_size", None), ("data", "snapshot", None), ("train", "init_from", "none"),
+               ("eval", "candidates", "per_client"), ("eval", "split", "test"))
 
 #: Upper bounds of the partition schemes' size fields: a million clients is cross-device scale (the
 #: manifest then is hundreds of MB); per-client counts above a million samples, shards or groups

@@ -39,7 +39,7 @@ def put_plot(store: Store, layout: RunLayout, name: str, draw: Callable[[Path], 
 def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Algorithm, state: PhaseState,
                  data: FederatedData, phases: list[Phase], put_plot: PutPlot) -> dict:
     pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins,
-                                 on_global_test=cfg.eval.personalized_on_global_test)
+                                 on_global_test=cfg.eval.personalized_on_global_test, candidates=cfg.eval.candidates)
     glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
     rows = read_rounds(store, [layout.rounds(p.name) for p in phases])
     summary = build_summary(cfg, layout.run_id, pers, glob, rows, data)
@@ -56,6 +56,14 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
     store.put_text(layout.report("report.md"), markdown(summary, pers, list(extra)))
     summary["report"] = store.url(layout.report_dir)
     return summary
+
+
+def score_summary(cfg: RunConfig, run_id: str, algorithm: Algorithm, state: PhaseState, data: FederatedData) -> dict:
+    """The summary's accuracy fields for `state` on `data`, without the round log or any file."""
+    pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins,
+                                 candidates=cfg.eval.candidates)
+    glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
+    return build_summary(cfg, run_id, pers, glob, [], data)
 
 
 def _scores(s: Scores | None) -> dict | None:
@@ -80,6 +88,12 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
             "selected_on": "validation split",
         }
         personalized["test_oracle_mean"] = pers.oracle_mean_accuracy
+        if pers.pooled_choice is not None:
+            personalized["pooled_choice_mean"] = pers.pooled_mean_accuracy
+            personalized[f"pooled_{pers.candidate_label}"] = pers.clients[0].candidates[pers.pooled_choice]
+        personalized["selected_by"] = cfg.eval.candidates
+    # per client, in client order: what a study's paired tests over clients and its fairness column read
+    personalized["client_accuracies"] = [c.accuracy for c in pers.clients]
     return {
         "title": f"{cfg.method.name} on {cfg.data.dataset} ({cfg.partition.scheme}, {data.num_clients} clients, seed {cfg.run.seed})",
         "run_id": run_id,
@@ -89,6 +103,7 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
         "num_clients": data.num_clients,
         "rounds": cfg.train.rounds,
         "seed": cfg.run.seed,
+        "evaluated_on": cfg.eval.split,  # validation: a tuning trial's run (its test splits were never scored)
         "personalized_accuracy": personalized,
         "global_model": _scores(glob),
         "communication": {

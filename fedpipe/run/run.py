@@ -33,7 +33,7 @@ from fedpipe.nn.networks import build_model
 from fedpipe.run import callbacks, inputs, record
 from fedpipe.run.config import RunConfig
 from fedpipe.run.layout import RunLayout
-from fedpipe.run.report import put_plot, write_report
+from fedpipe.run.report import put_plot, score_summary, write_report
 from fedpipe.run.verify import write_run_manifest
 from fedpipe.safe_load import MAX_RECORD_BYTES, read_store_json
 from fedpipe.seeding import derive_seed
@@ -62,17 +62,18 @@ class WarmStart:
 WarmStarter = WarmStart | Callable[[], WarmStart | None] | None
 
 
-class Run:
+class Run:  # size: a run's three steps and the building blocks they share (dataset, algorithm, checkpoints, sinks)
     """A configured run bound to its store (its one writer while a step writes: `with self.owner:`); the dataset, model and algorithm are built on demand."""
 
-    def __init__(self, cfg: RunConfig, store: Store | None = None, *, take_over: bool = False, owner: str | None = None):
+    def __init__(self, cfg: RunConfig, store: Store | None = None, *, take_over: bool = False, owner: str | None = None,
+                 bundle: DatasetBundle | None = None):
         self.cfg, self.warm_start = cfg, None  # warm_start: a WarmStart, or a function reading it (`WarmStarter`)
         self.store = store if store is not None else open_store(cfg.run.store)
         self.layout = RunLayout(cfg.run_id())
         self.owner = record.RunOwner(self.store, self.layout, owner, take_over=take_over)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self._bundle: DatasetBundle | None = None
+        self._bundle = bundle  # the loaded dataset, when the caller holds it already (a study's warm worker): else loaded on first use
         self.unrecorded_choice: EngineChoice | None = None  # decided by `train`, written once the phase has read its inputs
 
     # --- building blocks --------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class Run:
             from fedpipe.telemetry.prometheus import PrometheusSink
 
             sinks.append(PrometheusSink(url))
-        return sinks
+        return sinks + mlflow_sinks(self)  # MLflow's: none unless telemetry.mlflow or MLFLOW_TRACKING_URI is set
 
     # --- step 3: evaluate -------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -185,14 +186,14 @@ class Run:
         phases = self.phases()
         state = self.checkpoints(phases[-1].name).load_final(self.device)
         algorithm, _ = self.build_algorithm()
-        data = prepare_data(self.bundle, self.load_partition(), self.device)
+        data = federated_data(self, self.load_partition(), self.device)
         with self.owner:
             summary = write_report(self.cfg, self.store, self.layout, algorithm, state, data, phases, self._put_plot)
         # last: a run manifest exists only for a finished run (`fedpipe verify` checks against it); after
         # the claim's release, so the manifest does not list the owner record (which then disappears)
         write_run_manifest(self.store, self.layout.run_id)
         self.delete_pushed_metrics()
-        return summary
+        return track_report(self, summary)  # MLflow: the report as artifacts of the run's MLflow run, which then ends
 
     def delete_pushed_metrics(self) -> None:
         """The run is over: delete its groups (every phase's) from the Pushgateway, once its newest push
@@ -212,6 +213,47 @@ class Run:
 
     def _put_plot(self, name: str, draw) -> str:
         return put_plot(self.store, self.layout, name, draw)
+
+
+# --- MLflow tracking (fedpipe.telemetry.mlflow) ---------------------------------------------------
+def mlflow_sinks(run: Run) -> list:
+    """The run's MLflow sink, or none (and mlflow never imported) when neither telemetry.mlflow nor
+    MLFLOW_TRACKING_URI is set."""
+    t, cfg = run.cfg.telemetry, run.cfg
+    if not (t.mlflow or os.environ.get("MLFLOW_TRACKING_URI", "").strip()):
+        return []
+    from fedpipe.telemetry.mlflow import MlflowSink, flat_params
+
+    tags = {"method": cfg.method.name, "dataset": cfg.data.dataset, "split": cfg.partition.scheme, "seed": cfg.run.seed,
+            "phases": ",".join(p.name for p in run.phases()), "pipeline": t.pipeline}
+    sink = MlflowSink.from_env(t.mlflow, fedpipe_run_id=run.layout.run_id, experiment=t.mlflow_experiment,
+                               params=flat_params(cfg.model_dump(mode="json")), tags=tags)
+    return [sink] if sink is not None else []
+
+
+def track_report(run: Run, summary: dict) -> dict:
+    """Log everything under the run's report/ keys as artifacts of its MLflow run and end that run (when it
+    is fedpipe's, not a KFP task's); returns `summary`. Reads the report only when the server answers; never raises."""
+    prefix = run.layout.report_dir + "/"
+    for sink in mlflow_sinks(run):
+        sink.log_report(lambda: {key[len(prefix):]: run.store.get(key) for key in run.store.list(prefix)})
+    return summary
+
+
+def federated_data(run: Run, partition: Partition, device: torch.device) -> FederatedData:
+    """The clients' tensors on `device`; with eval.split=validation (a study's trial), without the test splits."""
+    data = prepare_data(run.bundle, partition, device)
+    return data.validation_as_test() if run.cfg.eval.split == "validation" else data
+
+
+def rescore(run: Run, split: str = "test") -> dict:
+    """A finished run's final state scored again on `split` ("test" or "validation"), nothing written: a
+    study's papers' protocol scores its tuning trials on test this way, after their selection is frozen."""
+    state = run.checkpoints(run.phases()[-1].name).load_final(run.device)
+    algorithm, _ = run.build_algorithm()
+    data = prepare_data(run.bundle, run.load_partition(), run.device)
+    cfg = run.cfg.model_copy(update={"eval": run.cfg.eval.model_copy(update={"split": split})})
+    return score_summary(cfg, run.layout.run_id, algorithm, state, data.validation_as_test() if split == "validation" else data)
 
 
 def delete_run(run: Run) -> None:
@@ -276,7 +318,7 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
     else:
         start = run.checkpoints(previous).load_final(device)
     partition = run.load_partition()
-    data = prepare_data(run.bundle, partition, device)
+    data = federated_data(run, partition, device)
     resumed = ckpt.latest_good(device)
     if resumed is not None and resumed.round >= start.round:
         log.info("Resuming phase %s of run %s after round %d.", phase.name, run.layout.run_id, resumed.round)
@@ -364,4 +406,4 @@ def rank_trainer(spec: str, briefing: dict, device: torch.device) -> ClientTrain
     run = Run(RunConfig.model_validate(given["config"]))
     phase = {p.name: p for p in run.phases()}[given["phase"]]
     algorithm, _ = run.build_algorithm(device)
-    return run.trainer(algorithm, phase, prepare_data(run.bundle, Partition.from_manifest(briefing), device))
+    return run.trainer(algorithm, phase, federated_data(run, Partition.from_manifest(briefing), device))

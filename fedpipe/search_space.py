@@ -1,0 +1,130 @@
+"""Search spaces: the ranges a study tunes a hyperparameter over, declared beside the field itself.
+
+Each method's `Params` class names its tunable fields in `search_space` (a dict of config paths to a
+`Dimension`); `COMMON_SPACE` holds what every method shares (the learning rate). A study
+(`fedpipe.study`) samples from them with Optuna locally, in KFP trial batches, or as a Katib
+Experiment (`fedpipe.k8s.katib`): the same declaration drives all three.
+
+    search_space = {"method.mu": LogUniform(1e-3, 1.0), "method.nu": Uniform(0.0, 2.0)}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fedpipe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A float drawn uniformly from [low, high]."""
+
+    low: float
+    high: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
+            raise ConfigError(f"a uniform range needs finite low < high, got [{self.low}, {self.high}]")
+
+    def grid(self, points: int) -> list[float]:
+        return [self.low + (self.high - self.low) * i / max(points - 1, 1) for i in range(points)]
+
+
+@dataclass(frozen=True)
+class LogUniform:
+    """A positive float whose logarithm is uniform on [log low, log high] (rates, penalty weights)."""
+
+    low: float
+    high: float
+
+    def __post_init__(self):
+        if not (0 < self.low < self.high and math.isfinite(self.high)):
+            raise ConfigError(f"a log-uniform range needs 0 < low < high, got [{self.low}, {self.high}]")
+
+    def grid(self, points: int) -> list[float]:
+        lo, hi = math.log(self.low), math.log(self.high)
+        return [float(f"{math.exp(lo + (hi - lo) * i / max(points - 1, 1)):.6g}") for i in range(points)]
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An integer in [low, high] (both included)."""
+
+    low: int
+    high: int
+
+    def __post_init__(self):
+        if not self.low < self.high:
+            raise ConfigError(f"an integer range needs low < high, got [{self.low}, {self.high}]")
+
+    def grid(self, points: int) -> list[int]:
+        return sorted({round(self.low + (self.high - self.low) * i / max(points - 1, 1)) for i in range(points)})
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a few values (numbers, strings or booleans)."""
+
+    values: tuple[Any, ...]
+
+    def __post_init__(self):
+        if len(self.values) < 2:
+            raise ConfigError(f"a choice needs at least two values, got {list(self.values)}")
+
+    def grid(self, points: int) -> list[Any]:
+        return list(self.values)
+
+
+Dimension = Uniform | LogUniform | IntRange | Choice
+
+#: What every method tunes: the clients' learning rate (train.lr), over the range the papers use (0.003 to 0.3).
+COMMON_SPACE: dict[str, Dimension] = {"train.lr": LogUniform(0.003, 0.3)}
+
+#: Dimension kinds as a study YAML names them: {"log_uniform": [low, high]}, {"uniform": [...]}, {"int": [...]}, {"choice": [...]}
+KINDS = {"uniform": Uniform, "log_uniform": LogUniform, "int": IntRange, "choice": Choice}
+
+
+def dimension_from_yaml(path: str, given: Any) -> Dimension:
+    """A dimension from a study file's `{kind: [low, high]}` (or `{choice: [a, b, ...]}`); errors name `path`."""
+    if not (isinstance(given, dict) and len(given) == 1):
+        raise ConfigError(f"search space {path!r}: write one of {', '.join(f'{{{k}: [...]}}' for k in KINDS)}, got {given!r}")
+    (kind, values), = given.items()
+    if kind not in KINDS or not isinstance(values, list):
+        raise ConfigError(f"search space {path!r}: unknown kind {kind!r} or values not a list; kinds: {', '.join(KINDS)}")
+    try:
+        if kind == "choice":
+            return Choice(tuple(values))
+        if len(values) != 2:
+            raise ConfigError(f"search space {path!r}: {kind} takes [low, high], got {values!r}")
+        return KINDS[kind](*values)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"search space {path!r}: {err}") from None
+
+
+def parse_value(dim: Dimension, raw: str, where: str) -> Any:
+    """A value of `dim` from its text (Katib substitutes Python's str() of the number: 1e-05, 3, true)."""
+    try:
+        if isinstance(dim, Uniform | LogUniform):
+            value = float(raw)
+            ok = dim.low <= value <= dim.high
+        elif isinstance(dim, IntRange):
+            value = int(float(raw))
+            ok = dim.low <= value <= dim.high and float(raw) == value
+        else:
+            value = next((v for v in dim.values if str(v).lower() == raw.strip().lower()), None)
+            ok = value is not None
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{where}={raw!r} is not in its range ({describe(dim)})")
+    return value
+
+
+def describe(dim: Dimension) -> str:
+    """A short human description: 'log-uniform [0.001, 1]'."""
+    if isinstance(dim, Choice):
+        return "one of " + ", ".join(map(str, dim.values))
+    word = {Uniform: "uniform", LogUniform: "log-uniform", IntRange: "integer"}[type(dim)]
+    return f"{word} [{dim.low:g}, {dim.high:g}]"

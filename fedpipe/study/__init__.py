@@ -1,0 +1,1 @@
+"""Studies: many runs of many methods, tuned on validation, repeated over seeds, compared with statistics."""
