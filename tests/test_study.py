@@ -11,7 +11,7 @@ import torch
 
 import fedpipe.run.run
 from fedpipe.data.federated import ClientData, FederatedData, Split
-from fedpipe.errors import ConfigError
+from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.store import open_store
 from fedpipe.study import runner, trials
 from fedpipe.study.config import load_study
@@ -59,7 +59,12 @@ def test_a_small_study_end_to_end_with_its_report(tmp_path):
     keys = store.list("studies/digits/report/")
     assert {"studies/digits/report/study.md", "studies/digits/report/study.html", "studies/digits/report/results.json"} <= set(keys)
     md = store.get("studies/digits/report/study.md").decode()
-    assert "fedavg_ft" in md and "superfed_mm" in md and "OPTIMISTIC" in md
+    assert "fedavg\\_ft" in md and "superfed\\_mm" in md and "OPTIMISTIC" in md
+    # a final run's record edited in the store is refused by name, not read as numbers
+    key = "studies/digits/finals/fedavg_ft/pathological/seed-1.json"
+    store.put_text(key, json.dumps({"method": "fedavg_ft", "split": "pathological", "seed": 1, "metrics": [], "curve": []}))
+    with pytest.raises(CorruptArtifactError, match="seed-1.json is not the final run record"):
+        runner.run_study(study, base, progress=False)
 
 
 class _KilledAfter(Executor):
@@ -139,6 +144,15 @@ def test_a_study_refuses_bad_configs_by_name(tmp_path):
     with pytest.raises(ConfigError, match="log-uniform range needs 0 < low < high"):
         load_study(None, text=STUDY.format(name="x", store=tmp_path, trials=2, workers=1).replace(
             "methods: [fedavg_ft, superfed_mm]", "methods: [{name: fedavg, space: {train.lr: {log_uniform: [0, 1]}}}]"))
+    # a study from a UI parameter is bounded, and names no file of the pod it runs in
+    with pytest.raises(ConfigError, match="more than the 64 KiB"):
+        load_study(None, text="methods: [fedavg]\n" + "#" * 70_000)
+    with pytest.raises(ConfigError, match="cannot name a base_config file"):
+        load_study(None, text="methods: [fedavg]\nbase_config: /etc/passwd\n")
+    (tmp_path / "notaconfig.yaml").write_text("just text\n")
+    (tmp_path / "study.yaml").write_text("methods: [fedavg]\nbase_config: notaconfig.yaml\n")
+    with pytest.raises(ConfigError, match="is not a run config"):
+        load_study(tmp_path / "study.yaml")
     study, base = _study(tmp_path, name="pinned", trials_=2)
     StudyRecords(open_store(str(tmp_path)), study).claim()
     other, _ = _study(tmp_path, name="pinned", trials_=3)

@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedpipe.algorithms import ALGORITHMS
@@ -26,7 +25,7 @@ from fedpipe.config import MAX_PROCESSES, MAX_ROUNDS, MAX_URL_CHARS, Section, ap
 from fedpipe.data.partition.schemes import SCHEME_CONFIGS
 from fedpipe.errors import ConfigError
 from fedpipe.run.config import RunConfig
-from fedpipe.safe_load import load_yaml_file
+from fedpipe.safe_load import MAX_CONFIG_BYTES, check_size, load_yaml_file, parse_yaml
 from fedpipe.search_space import COMMON_SPACE, Dimension, dimension_from_yaml
 
 #: Trials per method: 1,000 is far beyond what a TPE search of a few dimensions profits from.
@@ -136,8 +135,9 @@ class StudyConfig(Section):
 
 def load_study(path: str | Path | None, overrides: list[str] | None = None, *, text: str | None = None) -> tuple[StudyConfig, dict]:
     """The study and its base run config tree (base_config file, then `base`), validated. Raises ConfigError."""
-    if text is not None:
-        tree, folder = yaml.safe_load(text) or {}, Path.cwd()
+    if text is not None:  # a pipeline parameter (the KFP UI) or a ConfigMap: bounded like a file
+        check_size(len(text.encode()), MAX_CONFIG_BYTES, "the study_yaml parameter", "study file")
+        tree, folder = parse_yaml(text, "the study_yaml parameter", "study file") or {}, Path.cwd()
     else:
         p = Path(path or "")
         if not p.is_file():
@@ -152,12 +152,17 @@ def load_study(path: str | Path | None, overrides: list[str] | None = None, *, t
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
     base: dict = {}
+    if study.base_config and text is not None:
+        raise ConfigError("A study given as text (a pipeline parameter, a ConfigMap) cannot name a base_config file: "
+                          "inline the run config under `base` (fedpipe study compile and katib do this for you).")
     if study.base_config:
         file = Path(study.base_config)
         file = file if file.is_absolute() else folder / file
         if not file.is_file():
             raise ConfigError(f"base_config {study.base_config} does not exist (looked at {file}).")
         base = load_yaml_file(file) or {}
+        if not isinstance(base, dict):
+            raise ConfigError(f"base_config {study.base_config} is not a run config (a mapping of sections such as data, train).")
     base = _merge(base, study.base)
     for entry in study.methods:  # every configuration the study will run must be valid before anything runs
         space = entry.search_space()

@@ -81,6 +81,16 @@ class StudyRecords:
             out.append(rec)
         return sorted(out, key=lambda r: r["number"])
 
+    def final(self, method: str, split: str, seed: int) -> dict | None:
+        """A final run's record (None before it has run), checked for what the report reads."""
+        key = self.final_key(method, split, seed)
+        rec = self.maybe(key, "final run record")
+        if rec is not None and not (rec.get("method") == method and rec.get("split") == split and rec.get("seed") == seed
+                                    and isinstance(rec.get("metrics"), dict) and isinstance(rec.get("curve"), list)
+                                    and _number_or_none(rec.get("seconds"))):
+            raise CorruptArtifactError(f"{self.store.url(key)} is not the final run record of {method} on {split}, seed {seed}. {ADVICE}")
+        return rec
+
     def maybe(self, key: str, what: str) -> dict | None:
         return self.read(key, what) if self.store.exists(key) else None
 

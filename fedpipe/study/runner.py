@@ -121,7 +121,7 @@ def run_finals(study: StudyConfig, base: dict, records: StudyRecords, chosen: di
         for name, entry in entries.items():
             for seed in study.seeds:
                 key = records.final_key(name, split, seed)
-                rec = records.maybe(key, "final run record")
+                rec = records.final(name, split, seed)
                 if rec is not None:
                     out.append(rec)
                     continue

@@ -65,7 +65,7 @@ def run_batch(study_yaml: str, jobs: list[dict]) -> list[dict]:
             key = records.final_key(entry.name, job["split"], seed)
             if not records.store.exists(key):
                 records.put(key, trials.execute(full))
-            out.append({k: v for k, v in records.read(key, "final run record").items() if k != "curve"})
+            out.append({k: v for k, v in records.final(entry.name, job["split"], seed).items() if k != "curve"})
     return out
 
 
