@@ -241,3 +241,31 @@ def test_the_config_refuses_credentials_in_the_uri():
 
     with pytest.raises((ConfigError, ValueError), match="telemetry.mlflow"):
         load_config(None, ["telemetry.mlflow=https://user:secret@mlflow.example.com"])
+
+
+def test_a_study_is_a_parent_run_with_its_trials_and_final_runs_nested(mlflow_uri, client, tmp_path):
+    """The whole path: `mlflow:` in a study makes its parent run; every trial and final run (ordinary fedpipe runs,
+    in the study's worker) nests under it with its per-round metrics; the study report lands on the parent."""
+    from fedpipe.study.config import load_study
+    from fedpipe.study.runner import run_study
+
+    study, base = load_study(None, text=f"""
+study: {{name: tracked, store: {tmp_path}}}
+base: {{data: {{dataset: digits}}, partition: {{num_clients: 4}}, model: {{name: twonn}}, train: {{local_epochs: 1, batch_size: 20}}}}
+methods: [fedavg]
+budget: {{trials: 2, rounds: 2}}
+seeds: [0]
+workers: 1
+mlflow: {mlflow_uri}
+""")
+    run_study(study, base, progress=False)
+    experiment = client.get_experiment_by_name("fedpipe")
+    parents = client.search_runs([experiment.experiment_id], "tags.`fedpipe.study` = 'tracked'")
+    assert len(parents) == 1
+    parent = parents[0]
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 3  # 2 tuning trials and 1 final run
+    for child in children:
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")] == [1, 2]
+    assert {"study.md", "study.html"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"
