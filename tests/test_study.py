@@ -120,6 +120,7 @@ def test_selection_cannot_see_test_data(tmp_path, monkeypatch):
     clean_study, base = _study(tmp_path / "clean", name="clean", trials_=2)
     clean = StudyRecords(open_store(str(tmp_path / "clean")), clean_study)
     chosen_clean = runner.tune(clean_study, base, clean, trials.InProcess(), progress=False)
+    opt_clean = runner.rescore_trials(clean_study, base, clean, trials.InProcess(), progress=False)
 
     monkeypatch.setattr(fedpipe.run.run, "prepare_data", _scrambled(fedpipe.run.run.prepare_data))
     dirty_study, base = _study(tmp_path / "dirty", name="dirty", trials_=2)
@@ -132,7 +133,6 @@ def test_selection_cannot_see_test_data(tmp_path, monkeypatch):
     # the scramble is live: the same trial's model scored on test reads the scrambled labels (every label wrong,
     # so only a model that predicts a wrong class by chance scores at all)
     opt = runner.rescore_trials(dirty_study, base, dirty, trials.InProcess(), progress=False)
-    opt_clean = runner.rescore_trials(clean_study, base, clean, trials.InProcess(), progress=False)
     assert opt["fedavg_ft"]["pathological"]["accuracy"] < 0.3 < 0.7 < opt_clean["fedavg_ft"]["pathological"]["accuracy"]
 
 
