@@ -59,6 +59,7 @@ def tuned(workers: int, folder: Path) -> dict:
 
 def cold(folder: Path, count: int = 4) -> dict:
     """`count` trials, each a fresh `fedpipe study trial` process (the fixed cost of a process per trial)."""
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "study.yaml"
     path.write_text(STUDY.format(workers=1, store=folder))
     started, training = time.perf_counter(), 0.0

@@ -170,7 +170,8 @@ class EvalConfig(Section):
     """Which held-out data evaluation scores. test: each client's test split and the global test set.
     validation: for tuning (a study's trials): the test splits are dropped from memory before training,
     each client is scored on its validation split and the global model on the clients' validation
-    splits pooled, so nothing a trial reports has seen test data."""
+    splits pooled, so nothing a trial reports has seen test data. Such a run draws no plots (a trial's
+    report is its summary and tables: its plots cost more than a short trial's rounds)."""
 
 
 class EngineConfig(Section):

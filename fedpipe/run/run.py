@@ -144,7 +144,8 @@ class Run:  # size: a run's three steps and the building blocks they share (data
 
             self.store.put_text(self.layout.partition_manifest, json.dumps(partition.to_manifest()))
             title = f"{self.cfg.data.dataset}: {self.cfg.partition.scheme} split"
-            self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title))
+            if self.cfg.eval.split == "test":  # a tuning trial draws nothing: its plots cost more than its rounds
+                self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title))
             return partition
 
     # --- step 2: one training phase ---------------------------------------------------------------
@@ -188,7 +189,8 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         algorithm, _ = self.build_algorithm()
         data = federated_data(self, self.load_partition(), self.device)
         with self.owner:
-            summary = write_report(self.cfg, self.store, self.layout, algorithm, state, data, phases, self._put_plot)
+            plot = self._put_plot if self.cfg.eval.split == "test" else (lambda name, draw: None)
+            summary = write_report(self.cfg, self.store, self.layout, algorithm, state, data, phases, plot)
         # last: a run manifest exists only for a finished run (`fedpipe verify` checks against it); after
         # the claim's release, so the manifest does not list the owner record (which then disappears)
         write_run_manifest(self.store, self.layout.run_id)
