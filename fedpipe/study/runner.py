@@ -45,7 +45,7 @@ def run_study(study: StudyConfig, base: dict, *, store: Store | None = None, pro
         optimistic = rescore_trials(study, base, records, pool, progress)
     finally:
         if own:
-            pool.shutdown(wait=True) if hasattr(pool, "shutdown") else None
+            pool.shutdown(wait=True)
     results = assemble(study, base, records, chosen, finals, optimistic, wall=time.perf_counter() - started)
     publish(results, records, tracking)
     return results

@@ -8,10 +8,15 @@ record: a study started on a laptop can be finished on a cluster sharing its sto
 
 from __future__ import annotations
 
+from fedpipe.errors import FedpipeError
 from fedpipe.store import open_store
 from fedpipe.study import runner, trials
 from fedpipe.study.config import StudyConfig, load_study, run_tree, split_names
 from fedpipe.study.records import StudyRecords
+
+
+class StudyIncomplete(FedpipeError):
+    """A step that needs the tuning finished ran before it (a pipeline edited by hand, a task run alone)."""
 
 
 def _open(study_yaml: str) -> tuple[StudyConfig, dict, StudyRecords]:
@@ -72,16 +77,10 @@ def run_batch(study_yaml: str, jobs: list[dict]) -> list[dict]:
 def freeze(study_yaml: str) -> dict:
     """The choice, written once: each method's best finished trial on validation per split."""
     study, base, records = _open(study_yaml)
-    return runner.tune(study, base, records, trials.InProcess(), progress=False) if _budget_spent(study, base, records) else _unfinished(records)
-
-
-def _budget_spent(study: StudyConfig, base: dict, records: StudyRecords) -> bool:
-    return records.store.exists(records.chosen_key) or all(t.left == 0 for t in runner.tuners_of(study, base, records))
-
-
-def _unfinished(records: StudyRecords) -> dict:
-    raise RuntimeError(f"Study {records.study.study.name}: trials are still missing in {records.store.url(records.root)}; "
-                       "the choice is frozen only once every method has used its budget (run the tuning batches first).")
+    if not (records.store.exists(records.chosen_key) or all(t.left == 0 for t in runner.tuners_of(study, base, records))):
+        raise StudyIncomplete(f"Study {study.study.name}: trials are still missing in {records.store.url(records.root)}; the choice "
+                              "is frozen only once every method has used its budget (run the tuning batches first).")
+    return runner.tune(study, base, records, trials.InProcess(), progress=False)
 
 
 def report(study_yaml: str) -> tuple[dict, dict]:
