@@ -373,7 +373,7 @@ def test_parameters_cover_the_space(method):
 
 def test_log_scale_dims():
     params = {p["name"]: p for p in experiment("superfed_mm")["spec"]["parameters"]}
-    assert params["train.lr"]["feasibleSpace"] == {"min": "0.003", "max": "0.3", "distribution": "logUniform"}
+    assert params["train.lr"]["feasibleSpace"] == {"min": "0.001", "max": "0.1", "distribution": "logUniform"}
     assert params["method.mu"]["feasibleSpace"]["distribution"] == "logUniform"
     assert params["method.nu"]["feasibleSpace"]["distribution"] == "uniform"
     ifca = {p["name"]: p for p in experiment("ifca")["spec"]["parameters"]}
@@ -387,7 +387,7 @@ def test_grid_lists_points():
     assert params["train.lr"] == {
         "name": "train.lr",
         "parameterType": "discrete",
-        "feasibleSpace": {"list": ["0.003", "0.03", "0.3"]},
+        "feasibleSpace": {"list": ["0.001", "0.01", "0.1"]},
     }
     assert experiment_problems(doc) == []
     with pytest.raises(ConfigError, match="grid"):
