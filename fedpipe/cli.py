@@ -885,14 +885,12 @@ def study_katib(config: StudyOpt, namespace: Annotated[str, typer.Option(help="T
 
     from fedpipe.k8s.katib import katib_manifests
     from fedpipe.k8s.phasejob import StorageAccess
+    from fedpipe.pipelines.study import deployable
     from fedpipe.study.config import load_study
 
     study, base = load_study(config, set)
-    study = study.model_copy(update={"base_config": None, "base": base})  # the pod has no files beside the study: inline its base
-    if study.study.store == "runs":  # a folder in a pod is lost with the pod: the trials write to the deployment's store
-        study = study.model_copy(update={"study": study.study.model_copy(update={"store": _options(deploy).store})})
-    text = yaml.safe_dump(study.model_dump(mode="json", exclude_defaults=False), sort_keys=False)
     options = _options(deploy)
+    text, _ = deployable(study, base, options)  # what the trial pods read: base inlined, the deployment's store
     storage = StorageAccess(s3_endpoint=options.s3_endpoint, s3_secret=options.s3_secret, s3_secret_keys=options.s3_secret_keys,
                             pushgateway=options.pushgateway, signing_secret=options.signing_secret)
     docs = katib_manifests(text, study.study.name, {e.name: e.search_space() for e in study.methods}, namespace=namespace,

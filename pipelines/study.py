@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
 from kfp import dsl, kubernetes
 
 from fedpipe.components import study as study_components
@@ -56,7 +55,7 @@ from fedpipe.pipelines.builder import (
     parse_kfp_version,
     resource_defaults,
 )
-from fedpipe.study.config import load_study, split_names
+from fedpipe.study.config import StudyConfig, load_study, split_names
 
 #: The oldest backend that resolves dsl.Collected (see the module's docstring).
 STUDY_MIN_KFP = "2.14.0"
@@ -70,20 +69,20 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "study_digits.ya
 
 
 def deployed_study(source: str | Path, options: DeployOptions) -> tuple[str, int]:
-    """The study as the cluster runs it, as one line of JSON (kfp writes a parameter's default into the
-    compiled file's header comment verbatim: a multi-line default would break that YAML), and its total
-    number of tuning trials. A `base_config` file is inlined (a task has no such file); a store that is
-    not s3:// becomes the deployment's (a folder in a pod is gone when the pod is)."""
-    if isinstance(source, Path):
-        study, base = load_study(source)
-        tree = yaml.safe_load(source.read_text()) or {}
-    else:
-        study, base = load_study(None, text=source)
-        tree = yaml.safe_load(source) or {}
-    if study.base_config:
-        tree = {**{k: v for k, v in tree.items() if k != "base_config"}, "base": base}
+    """The study file (a Path) or text as the cluster runs it: see `deployable`."""
+    study, base = load_study(source) if isinstance(source, Path) else load_study(None, text=source)
+    return deployable(study, base, options)
+
+
+def deployable(study: StudyConfig, base: dict, options: DeployOptions) -> tuple[str, int]:
+    """The study as a pod runs it, as one line of JSON (kfp writes a parameter's default into the compiled
+    file's header comment verbatim: a multi-line default would break that YAML), and its total number of
+    tuning trials. The base config is inlined (a pod has no `base_config` file); a store that is not s3://
+    becomes the deployment's (a folder in a pod is gone when the pod is). The KFP study pipeline and the
+    Katib Experiments (`fedpipe study katib`) both run this text."""
+    tree = {**study.model_dump(mode="json", exclude={"base_config"}), "base": base}
     if not study.study.store.startswith("s3://"):
-        tree["study"] = {**(tree.get("study") or {}), "store": options.store}
+        tree["study"] = {**tree["study"], "store": options.store}
     text = json.dumps(tree, separators=(",", ":"))
     study, base = load_study(None, text=text)  # still valid as the tasks will read it
     total = study.budget.trials * sum(1 for e in study.methods if e.search_space()) * len(split_names(study, base))

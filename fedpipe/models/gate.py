@@ -124,6 +124,12 @@ def compare(mine: Scores, theirs: Scores, version: int, registry: RegistryConfig
     return Decision(better and not dropped, reason, metric, candidate, champion, version, len(shared), new, on_new, dropped)
 
 
+def worst_fraction_mean(accuracies: list[float], fraction: float) -> float:
+    """The mean of the lowest `fraction` of the accuracies: ceil(fraction * n) of them, at least one (the
+    gate's worst10_accuracy; a study's fairness column, `fedpipe.study.stats`, is the same number)."""
+    return float(np.mean(sorted(accuracies)[: max(1, math.ceil(fraction * len(accuracies)))]))
+
+
 def gate_metric(metric: str, accuracies: list[float], global_accuracy: float | None) -> float:
     """The gate's metric from client accuracies and the global model's."""
     if metric == "global_accuracy":
@@ -133,8 +139,7 @@ def gate_metric(metric: str, accuracies: list[float], global_accuracy: float | N
     if not accuracies:
         raise ConfigError(f"registry.gate_metric={metric} needs at least one client.")
     if metric == "worst10_accuracy":
-        lowest = sorted(accuracies)[: max(1, math.ceil(0.1 * len(accuracies)))]
-        return float(np.mean(lowest))
+        return worst_fraction_mean(accuracies, 0.1)
     if metric == "personalized_accuracy":
         return float(np.mean(accuracies))
     raise ConfigError(f"unknown registry.gate_metric {metric!r}; choose one of {', '.join(METRICS)}.")

@@ -38,9 +38,7 @@ def put_plot(store: Store, layout: RunLayout, name: str, draw: Callable[[Path], 
 
 def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Algorithm, state: PhaseState,
                  data: FederatedData, phases: list[Phase], put_plot: PutPlot) -> dict:
-    pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins,
-                                 on_global_test=cfg.eval.personalized_on_global_test, candidates=cfg.eval.candidates)
-    glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
+    pers, glob = _evaluate(cfg, algorithm, state, data, on_global_test=cfg.eval.personalized_on_global_test)
     rows = read_rounds(store, [layout.rounds(p.name) for p in phases])
     summary = build_summary(cfg, layout.run_id, pers, glob, rows, data)
 
@@ -60,10 +58,15 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
 
 def score_summary(cfg: RunConfig, run_id: str, algorithm: Algorithm, state: PhaseState, data: FederatedData) -> dict:
     """The summary's accuracy fields for `state` on `data`, without the round log or any file."""
+    return build_summary(cfg, run_id, *_evaluate(cfg, algorithm, state, data), [], data)
+
+
+def _evaluate(cfg: RunConfig, algorithm: Algorithm, state: PhaseState, data: FederatedData,
+              on_global_test: bool = False) -> tuple[PersonalizedResult, Scores | None]:
+    """The personalized models (chosen as eval.candidates says) and the global model, scored on `data`."""
     pers = evaluate_personalized(algorithm, state.server, state.clients, data, cfg.eval.batch_size, cfg.eval.ece_bins,
-                                 candidates=cfg.eval.candidates)
-    glob = evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
-    return build_summary(cfg, run_id, pers, glob, [], data)
+                                 on_global_test=on_global_test, candidates=cfg.eval.candidates)
+    return pers, evaluate_global(algorithm, state.server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
 
 
 def _scores(s: Scores | None) -> dict | None:

@@ -242,10 +242,11 @@ def track_report(run: Run, summary: dict) -> dict:
     return summary
 
 
-def federated_data(run: Run, partition: Partition, device: torch.device) -> FederatedData:
-    """The clients' tensors on `device`; with eval.split=validation (a study's trial), without the test splits."""
+def federated_data(run: Run, partition: Partition, device: torch.device, split: str | None = None) -> FederatedData:
+    """The clients' tensors on `device`; scored on `split` (default eval.split): with "validation" (a study's
+    trial), the test splits are dropped."""
     data = prepare_data(run.bundle, partition, device)
-    return data.validation_as_test() if run.cfg.eval.split == "validation" else data
+    return data.validation_as_test() if (split or run.cfg.eval.split) == "validation" else data
 
 
 def rescore(run: Run, split: str = "test") -> dict:
@@ -253,9 +254,8 @@ def rescore(run: Run, split: str = "test") -> dict:
     study's papers' protocol scores its tuning trials on test this way, after their selection is frozen."""
     state = run.checkpoints(run.phases()[-1].name).load_final(run.device)
     algorithm, _ = run.build_algorithm()
-    data = prepare_data(run.bundle, run.load_partition(), run.device)
     cfg = run.cfg.model_copy(update={"eval": run.cfg.eval.model_copy(update={"split": split})})
-    return score_summary(cfg, run.layout.run_id, algorithm, state, data.validation_as_test() if split == "validation" else data)
+    return score_summary(cfg, run.layout.run_id, algorithm, state, federated_data(run, run.load_partition(), run.device, split))
 
 
 def delete_run(run: Run) -> None:

@@ -13,6 +13,7 @@ tuned harder than another. Tuning reads validation splits only (`eval.split=vali
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -167,8 +168,8 @@ def load_study(path: str | Path | None, overrides: list[str] | None = None, *, t
     for entry in study.methods:  # every configuration the study will run must be valid before anything runs
         space = entry.search_space()
         for path in space:
-            if not path.startswith(("train.", "method.", "eval.candidates")):
-                raise ConfigError(f"method {entry.name}: search space path {path!r} must be under train. or method.")
+            if not (path.startswith(("train.", "method.")) or path == "eval.candidates"):
+                raise ConfigError(f"method {entry.name}: search space path {path!r} must be under train. or method. (or be eval.candidates)")
         run_tree(study, base, entry, next(iter(split_names(study, base))), study.seeds[0], {}, tuning=True)
     return study, base
 
@@ -184,11 +185,12 @@ def split_names(study: StudyConfig, base: dict) -> dict[str, dict]:
 def run_tree(study: StudyConfig, base: dict, entry: MethodEntry, split: str, seed: int, params: dict[str, Any],
              *, tuning: bool) -> RunConfig:
     """The run config of one trial (tuning: scored on validation, evaluated only at phase ends) or one final run."""
-    tree = dict(base, partition=_split_partition(base.get("partition") or {}, split_names(study, base)[split]))
-    tree["method"] = {"name": entry.name, **({} if (base.get("method") or {}).get("name") not in (None, entry.name)
-                                            else {k: v for k, v in (base.get("method") or {}).items() if k != "name"})}
-    tree.setdefault("run", {})
-    tree["run"] = {**tree["run"], "seed": seed, "store": f"{study.study.store.rstrip('/')}/studies/{study.study.name}/runs"}
+    tree = copy.deepcopy(base)  # the overrides below write into nested sections: never into the study's base
+    tree["partition"] = _split_partition(base.get("partition") or {}, split_names(study, base)[split])
+    # the base's method section carries over only to the method it names (another method's fields would not fit)
+    given = base.get("method") or {}
+    tree["method"] = {**(given if given.get("name", entry.name) == entry.name else {}), "name": entry.name}
+    tree["run"] = {**(tree.get("run") or {}), "seed": seed, "store": f"{study.study.store.rstrip('/')}/studies/{study.study.name}/runs"}
     tree.pop("registry", None)
     tree["train"] = {**(tree.get("train") or {}), "rounds": study.budget.rounds, "init_from": "none"}
     # one process per run: a study runs `workers` runs at once, each worker with its share of the cores

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
+from fedpipe.models import gate
+
 ACCURACY = "personalized_accuracy"
 
 
@@ -99,15 +101,12 @@ def wilcoxon_paired(a: Sequence[float], b: Sequence[float]) -> PairedTest:
 
 
 def worst_fraction_mean(accuracies: Sequence[float], fraction: float = 0.1) -> float:
-    """The mean of the lowest `fraction` of the accuracies, ceil(fraction · n) of them and at least one.
-
-    The same definition as the promotion gate's worst10_accuracy (fedpipe.models.gate.gate_metric), written
-    the same way so the two agree to the last bit (a test checks it); the study layer cannot import the gate's."""
+    """The mean of the lowest `fraction` of the accuracies, ceil(fraction · n) of them and at least one: the
+    promotion gate's worst10_accuracy (`fedpipe.models.gate.worst_fraction_mean`), on checked numbers."""
     values = _finite(accuracies, "the client accuracies")
     if values.size == 0:
         raise ValueError("the worst clients' accuracy needs at least one client accuracy, and none was given")
-    lowest = sorted(values.tolist())[: max(1, math.ceil(fraction * len(values)))]
-    return float(np.mean(lowest))
+    return gate.worst_fraction_mean(values.tolist(), fraction)
 
 
 def rounds_to_target(curve: Sequence[dict], target: float) -> Reached | None:

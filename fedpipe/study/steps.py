@@ -44,7 +44,7 @@ def suggest_batch(study_yaml: str, size: int) -> list[dict]:
 def final_jobs(study_yaml: str) -> list[dict]:
     """Every final run not yet recorded (method x split x seed), with the frozen choice's hyperparameters."""
     study, base, records = _open(study_yaml)
-    chosen = freeze(study_yaml)
+    chosen = _freeze(study, base, records)
     return [{"kind": "final", "method": e.name, "split": split, "seed": seed, "params": chosen.get(e.name, {}).get(split, {})}
             for split in split_names(study, base) for e in study.methods for seed in study.seeds
             if not records.store.exists(records.final_key(e.name, split, seed))]
@@ -76,7 +76,10 @@ def run_batch(study_yaml: str, jobs: list[dict]) -> list[dict]:
 
 def freeze(study_yaml: str) -> dict:
     """The choice, written once: each method's best finished trial on validation per split."""
-    study, base, records = _open(study_yaml)
+    return _freeze(*_open(study_yaml))
+
+
+def _freeze(study: StudyConfig, base: dict, records: StudyRecords) -> dict:
     if not (records.store.exists(records.chosen_key) or all(t.left == 0 for t in runner.tuners_of(study, base, records))):
         raise StudyIncomplete(f"Study {study.study.name}: trials are still missing in {records.store.url(records.root)}; the choice "
                               "is frozen only once every method has used its budget (run the tuning batches first).")
@@ -87,7 +90,7 @@ def report(study_yaml: str) -> tuple[dict, dict]:
     """Rescore the trials (the papers' protocol), assemble every record and write the report; returns
     (the results, the KFP metrics)."""
     study, base, records = _open(study_yaml)
-    chosen = freeze(study_yaml)
+    chosen = _freeze(study, base, records)
     pool = trials.InProcess()
     finals = runner.run_finals(study, base, records, chosen, pool, progress=False)  # all recorded by now: read back
     optimistic = runner.rescore_trials(study, base, records, pool, progress=False)
