@@ -61,6 +61,8 @@ class DatasetBundle:
     clients: np.ndarray | None = None  # int64 per row of `train`: its client (natural partition); None: no clients
     client_names: tuple[str, ...] = ()  # clients[i] names client_names[clients[i]] (a site, a device, a writer)
     snapshot: dict | None = None  # what was read (`fedpipe.data.files.snapshot`): source, digest, objects, bytes
+    sample_ids: np.ndarray | None = None  # uint64 per row of `train`: its identity (`fedpipe.data.identity`); a
+    # partition then draws each sample's split from it, so splits stay put across data drops. None: by position
 
     @property
     def is_text(self) -> bool:

@@ -125,7 +125,7 @@ def load_files(url: str, image_size: int | None = None, expected_snapshot: str |
     return DatasetBundle(
         name="files", train=train, test=None, num_classes=len(manifest.labels), class_names=manifest.labels,
         fingerprint=digest.hexdigest(), vocab_size=rows.vocab_size, clients=rows.clients,
-        client_names=rows.client_names, snapshot=snapshot,
+        client_names=rows.client_names, snapshot=snapshot, sample_ids=rows.ids,
     )
 
 

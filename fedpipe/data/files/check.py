@@ -72,7 +72,8 @@ def _natural_split(check: DataCheck, min_client_size: int, heatmap: Path | None)
     that its training split lacks, and draws the label heatmap."""
     rows, manifest = check.rows, check.manifest
     bundle = DatasetBundle("files", LabeledArrays(rows.x, rows.y), None, len(manifest.labels), manifest.labels, "",
-                           vocab_size=rows.vocab_size, clients=rows.clients, client_names=rows.client_names)
+                           vocab_size=rows.vocab_size, clients=rows.clients, client_names=rows.client_names,
+                           sample_ids=rows.ids)
     try:
         partition = make_partition(bundle, NaturalPartition(min_client_size=min_client_size), 0)
     except DataError as exc:

@@ -19,6 +19,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from fedpipe.data.files.manifest import IMAGE_EXTENSIONS, MANIFEST_NAME, DataManifest
 from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.data.identity import identity_of
 from fedpipe.errors import DataError
 from fedpipe.store.source import DataSource, SourceObject
 
@@ -160,6 +161,7 @@ def read_image_folders(source: DataSource, objects: list[SourceObject], manifest
     y = np.empty(len(chosen), dtype=np.int64)
     clients = np.empty(len(chosen), dtype=np.int64)
     used: list[SourceObject] = []
+    ids = np.empty(len(chosen), dtype=np.uint64)
     progress = tqdm(chosen, desc="reading images", unit="file", disable=None if len(chosen) > PROGRESS_FROM else True)
     for obj, client, label in progress:
         where = source.url(obj.key)
@@ -170,12 +172,13 @@ def read_image_folders(source: DataSource, objects: list[SourceObject], manifest
             continue
         if stack.add(data, where, problems):
             y[len(used)], clients[len(used)] = label, client_index[client]
+            ids[len(used)] = identity_of(client, obj.key.split("/")[2])  # not the label folder: a relabelled file keeps its split
             used.append(obj)
     n = len(used)
     present = np.unique(clients[:n])  # clients with at least one image read, in name order
     keys = [o.key for o in used]
     rows = ClientRows(
         x=stack.array(), y=y[:n].copy(), clients=np.searchsorted(present, clients[:n]).astype(np.int64),
-        client_names=tuple(client_names[i] for i in present), where=lambda i: source.url(keys[i]),
+        client_names=tuple(client_names[i] for i in present), where=lambda i: source.url(keys[i]), ids=ids[:n].copy(),
     )
     return rows, used

@@ -56,6 +56,12 @@ class TableLayout(Section):
     label_column: str = Field("label", min_length=1, max_length=256)
     """The column holding each row's label (a name from `labels`, or its index)."""
 
+    id_column: str | None = Field(None, min_length=1, max_length=256)
+    """A column naming each sample for good (a record number, a file name): with the client, it fixes the
+    sample's train/validation/test split in every drop (`fedpipe.data.identity`). None: the client and
+    the row's input values name it (a row relabelled in a later drop keeps its split; changing any input
+    value makes it a new sample)."""
+
     features: tuple[Annotated[str, _COLUMN], ...] = Field((), max_length=MAX_FEATURES)
     """Numeric feature columns (a tabular input of len(features) values); exclusive with image_column
     and text_column."""

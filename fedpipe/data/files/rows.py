@@ -23,6 +23,7 @@ class ClientRows:
     client_names: tuple[str, ...]
     where: Callable[[int], str]  # row i -> where it came from, for messages ("s3://b/p/a/cat/1.png", "t.parquet row 17")
     vocab_size: int | None = None  # token sequences only
+    ids: np.ndarray | None = None  # uint64 per row: its identity (`fedpipe.data.identity`), what fixes its split
 
 
 @dataclass(frozen=True)

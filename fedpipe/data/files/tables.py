@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 
 from fedpipe.data.files.manifest import TABLE_EXTENSIONS, DataManifest, TableLayout
 from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.data.identity import identities
 from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
 from fedpipe.errors import DataError
 from fedpipe.store.source import DataSource, SourceObject
@@ -382,14 +383,29 @@ class _Read:
     x: list[np.ndarray]
     y: list[np.ndarray]
     c: list[np.ndarray]
+    ids: list[np.ndarray]
     urls: list[str]
     starts: list[int]
     total: int = 0
 
 
+def _inputs_of(layout: TableLayout) -> list[str]:
+    return list(layout.features) or [layout.image_column or layout.text_column]  # type: ignore[list-item]
+
+
 def _required(layout: TableLayout) -> list[str]:
-    inputs = list(layout.features) or [layout.image_column or layout.text_column]  # type: ignore[list-item]
-    return list(dict.fromkeys([layout.client_column, layout.label_column, *inputs]))
+    named = [layout.id_column] if layout.id_column else []
+    return list(dict.fromkeys([layout.client_column, layout.label_column, *_inputs_of(layout), *named]))
+
+
+def _identity_batch(batch: pa.RecordBatch, layout: TableLayout, out: np.ndarray) -> None:
+    """Each row's identity (`fedpipe.data.identity`): its client and its id column, else its client and its
+    input values (as read: text, or an image column's bytes); never its label."""
+    named = [layout.id_column] if layout.id_column else _inputs_of(layout)
+    columns = [batch.column(layout.client_column), *(batch.column(c) for c in named)]
+    values = [col.to_pylist() if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)
+              else _text(col).to_pylist() for col in columns]
+    out[:] = identities(tuple(b"" if v is None else v for v in row) for row in zip(*values, strict=True))
 
 
 def _schema_problems(table: _Table, layout: TableLayout, report: _Report) -> bool:
@@ -401,8 +417,8 @@ def _schema_problems(table: _Table, layout: TableLayout, report: _Report) -> boo
         return True
     if not table.typed:
         return False
-    wrong = [(c, "text, integers or floats") for c in (layout.client_column, layout.label_column)
-             if not _is_scalar(table.types[c])]
+    wrong = [(c, "text, integers or floats") for c in (layout.client_column, layout.label_column, layout.id_column)
+             if c and not _is_scalar(table.types[c])]
     wrong += [(c, "numbers") for c in layout.features if not (_is_number(table.types[c]) or _is_string(table.types[c]))]
     if layout.image_column and not (_is_string(table.types[layout.image_column])
                                     or pa.types.is_binary(table.types[layout.image_column])
@@ -429,11 +445,12 @@ def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, input
         return None
     n = table.num_rows
     x = _Parts(n, (len(layout.features),), np.float32) if layout.features else None
-    y, c = _Parts(n, (), np.int64), _Parts(n, (), np.int64)
+    y, c, ids = _Parts(n, (), np.int64), _Parts(n, (), np.int64), _Parts(n, (), np.uint64)
     offset = 0
     try:
         for batch in table.batches(_required(layout), True):
             _rows_batch(batch, layout, read, report, offset, y.take(len(batch)), c.take(len(batch)))
+            _identity_batch(batch, layout, ids.take(len(batch)))
             if x is not None:
                 _feature_batch(batch, layout.features, x.take(len(batch)), report, offset)
             if inputs is not None:
@@ -445,6 +462,7 @@ def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, input
         read.x += [x.done()] if x is not None else []
         read.y.append(y.done())
         read.c.append(c.done())
+        read.ids.append(ids.done())
     read.urls.append(report.url)
     read.starts.append(read.total)
     read.total += offset
@@ -489,7 +507,7 @@ def read_table(source: DataSource, objects: list[SourceObject], manifest: DataMa
         inputs = _Images(source, objects, layout, image_size)
     elif layout.text_column:
         inputs = _Texts(layout.text_column)
-    read = _Read(_Names(), _Labels(manifest.labels), [], [], [], [], [])
+    read = _Read(_Names(), _Labels(manifest.labels), [], [], [], [], [], [])
     for obj in files:
         _read_file(source, obj, layout, inputs, read, problems)
     used = files + (list(inputs.used.values()) if isinstance(inputs, _Images) else [])
@@ -507,7 +525,7 @@ def read_table(source: DataSource, objects: list[SourceObject], manifest: DataMa
     if layout.text_column:
 
         vocab = TEXT_VOCAB_SIZE
-    return ClientRows(x, _join(read.y, (0,), np.int64), clients, names, where, vocab), used
+    return ClientRows(x, _join(read.y, (0,), np.int64), clients, names, where, vocab, _join(read.ids, (0,), np.uint64)), used
 
 
 def _join(parts: list[np.ndarray], empty: tuple[int, ...], dtype: type) -> np.ndarray:
