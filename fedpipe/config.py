@@ -132,6 +132,24 @@ class TrainConfig(Section):
     `promoted` is pinned to the version it names when the run starts, so it is part of the run's id."""
 
 
+class DropCheckConfig(Section):
+    """Before the gate compares, the promoted version is scored on each client's new data: a client whose
+    accuracy collapses (a broken or poisoned drop: relabelled folders, swapped images) or whose label mix
+    moved far marks the drop as suspect, and the candidate is not promoted whatever its scores."""
+
+    enabled: bool = True
+    """Run the check (false: the gate compares scores alone, as a poisoned drop would like)."""
+    max_drop: float = Field(0.30, ge=0.0, le=1.0)
+    """Flag a client whose promoted model's accuracy on its new test split is more than this below its
+    accuracy on that client when it was registered."""
+    chance_multiple: float = Field(2.0, ge=0.0, le=100.0)
+    """...or falls below this many times chance (1 / number of classes) when it was above it then."""
+    max_label_shift: float = Field(0.5, ge=0.0, le=1.0)
+    """...or whose label distribution moved by more than this (total variation distance, 0..1) since."""
+    min_samples: int = Field(10, ge=1)
+    """Clients with fewer test samples in the new drop are reported but never flagged (too few to tell)."""
+
+
 class RegistryConfig(Section):
     """The model line a run's models are registered in, and the gate that decides whether a new version is
     promoted (the `models` layer: fedpipe.models)."""
@@ -139,13 +157,29 @@ class RegistryConfig(Section):
     name: str = Field("", pattern=r"^([a-z0-9][a-z0-9._-]{0,62})?$")
     """The model line (models/<name>/ in the run's store); empty: the run's models are not registered."""
     gate_metric: Literal["personalized_accuracy", "global_accuracy", "worst10_accuracy"] = "personalized_accuracy"
-    """What the gate compares, candidate against the promoted version, both on the candidate's test splits:
-    the clients' mean personalized accuracy, the global model's accuracy, or the mean accuracy of the worst
-    10% of clients."""
+    """What the gate compares, candidate against the promoted version, on data the candidate's drop cannot
+    rewrite (the test samples both versions' drops hold, read from the promoted version's drop; or the
+    reference set): the clients' mean personalized accuracy, the global model's accuracy, or the mean
+    accuracy of the worst 10% of clients."""
     tolerance: float = Field(0.0, ge=0.0, le=1.0)
     """Promote when the candidate's metric is at least the promoted version's minus this."""
     max_client_drop: float = Field(0.05, ge=0.0, le=1.0)
-    """...and no client present in both loses more than this accuracy (new clients are counted apart)."""
+    """...and no client present in both loses more than this accuracy, and no new client falls more than
+    this below the promoted version's global (or nearest client's) model on that client's data."""
+    drop_check: DropCheckConfig = DropCheckConfig()
+    """The drop check: the promoted version on each client's new data (see DropCheckConfig)."""
+    reference: str | None = Field(None, max_length=MAX_URL_CHARS)
+    """A pinned reference set (a folder or s3://bucket/prefix laid out as your data, with its manifest) the
+    gate compares on instead of the shared test samples: every sample of a client there scores that
+    client's models, all of them the global models. None: the shared test samples."""
+
+    @field_validator("reference")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return refuse_url_credentials(value, "registry.reference", "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment",
+                                      bare_is_host=False)
 
 
 class EvalConfig(Section):

@@ -144,7 +144,9 @@ def test_scheduled_runs_version_warm_start_gate_and_roll_back(tmp_path, raw_clie
     assert not not_published["published"] and line.versions() == [1, 2]  # registry.name empty: nothing registered
     warm_first, cold_first = _first_round(run2), _first_round(cold)
     print(f"round-1 personalized accuracy on drop 2: warm start from version 1 {warm_first:.3f}, cold start {cold_first:.3f}")
-    assert warm_first >= cold_first + 0.15, (warm_first, cold_first)
+    # stable splits: drop 2's test files were never in version 1's training split, so this is the honest gain
+    # (with splits redrawn per drop it read +0.15 and more, from test files version 1 had trained on)
+    assert warm_first >= cold_first + 0.02, (warm_first, cold_first)
     assert published2["version"] == 2 and published2["promoted"] and line.promoted() == 2
     assert published2["champion_version"] == 1 and published2["candidate"] > published2["champion"]
 

@@ -1,56 +1,60 @@
-"""The promotion gate: is a run's version good enough to replace the promoted one?
+"""The promotion gate: is a run's version good enough to replace the promoted one, and is its data sound?
 
-`decide(candidate_run, line, cfg.registry)` scores both on the CANDIDATE's data: the candidate's chosen
-personalized models (as `fedpipe.engine.evaluation` picks them, on each client's validation split) and the
-promoted version's (its `state.pt`, its method and config build its algorithm), each client's models on that
-client's test split, the global models on the global test set. Clients are matched by name (a natural
-partition's client names, else the ids): the clients present in both are compared, the candidate's new
-clients are reported apart (the promoted version has no model of theirs).
+`decide(candidate_run, line, cfg.registry)` weighs the candidate's models against the promoted version's
+(`fedpipe.models.sides`: each set fed as it was trained, its chosen personalized models as
+`fedpipe.engine.evaluation` picks them) on data the candidate's drop cannot rewrite:
+
+- by default, the test samples that both versions' drops hold, read from the PROMOTED version's drop (its
+  data snapshot, read again and checked): stable splits (`fedpipe.data.identity`) make them the same files,
+  so a drop that relabels or swaps them cannot move the comparison. The candidate's new test samples are
+  scored by both and reported apart. When the promoted version's drop can no longer be read (deleted, or
+  changed since), or the data has no sample identities (a bundled dataset), the candidate's test splits are
+  used, and the decision says so;
+- with `registry.reference`, a pinned reference set instead: each client's samples there score its models,
+  all of them the global models.
+
+Clients are matched by name (a natural partition's client names, else the ids). Before comparing, the drop
+check (`fedpipe.models.drop_check`) scores the promoted version on each client's new test split against
+what it recorded at registration; a flagged client marks the drop as suspect and nothing is promoted.
 
 The metric (`registry.gate_metric`):
 - personalized_accuracy: the mean test accuracy of the shared clients' personalized models;
 - worst10_accuracy: the mean of the lowest 10% of those accuracies (at least one client);
 - global_accuracy: the global model's accuracy on the global test set (a method without one cannot be gated on it).
 
-Promote when candidate >= promoted - `tolerance` AND no shared client loses more than `max_client_drop`
-accuracy. The line's first version (nothing promoted yet) is promoted. A gate that cannot decide (a metric
-the method does not produce, a promoted version on other inputs or labels, a damaged or missing promoted
-version) raises; nothing is then registered or promoted.
+Promote when the drop is not suspect AND candidate >= promoted - `tolerance` AND no shared client loses more
+than `max_client_drop` AND no new client falls more than `max_client_drop` below the promoted version's global
+model on that client's test split (its floor; a method without a global model: the promoted client model whose
+label mix is nearest). The line's first version (nothing promoted yet) is promoted. A gate that cannot decide
+(a metric the method does not produce, a promoted version on other inputs or labels, a damaged or missing
+promoted version) raises; nothing is then registered or promoted.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from pydantic import ValidationError
 
-from fedpipe.algorithms import build_algorithm
 from fedpipe.config import RegistryConfig, format_validation_error
-from fedpipe.data.federated import FederatedData, prepare_data
-from fedpipe.engine.evaluation import evaluate_global, evaluate_personalized
-from fedpipe.engine.state import PhaseState
-from fedpipe.errors import ConfigError, CorruptArtifactError
+from fedpipe.data import LabeledArrays
+from fedpipe.errors import ConfigError, CorruptArtifactError, DataError
+from fedpipe.models.drop_check import ClientCheck, check_drop, evaluation_bytes, label_shift, read_evaluation
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
-from fedpipe.models.warm import STATE_FILE, client_ids, state_limit_for, version_client_names
-from fedpipe.nn.networks import build_model
+from fedpipe.models.sides import Scores, Side, candidate_side, champion_side, own_scores, score, version_data
 from fedpipe.run.config import RunConfig
 from fedpipe.run.run import Run
 from fedpipe.safe_load import parse_yaml
-from fedpipe.seeding import derive_seed
+
+log = logging.getLogger(__name__)
 
 METRICS = ("personalized_accuracy", "global_accuracy", "worst10_accuracy")
 MAX_NAMED_CLIENTS = 20  # clients named in a decision (the record stays small at any client count)
 
-
-@dataclass(frozen=True)
-class Scores:
-    """One model set's accuracies on the candidate's data: per client (by name) and the global model's."""
-
-    clients: dict[str, float]
-    global_accuracy: float | None
+__all__ = ["Decision", "Scores", "compare", "decide", "gate_metric", "worst_fraction_mean"]
 
 
 @dataclass(frozen=True)
@@ -67,61 +71,114 @@ class Decision:
     new_clients: tuple[str, ...] = ()
     candidate_on_new_clients: float | None = None  # the candidate's mean accuracy on its new clients
     dropped: dict[str, float] = field(default_factory=dict)  # shared clients losing more than max_client_drop
+    compared: dict = field(default_factory=dict)  # what was compared: on which data, how many samples
+    new_samples: dict = field(default_factory=dict)  # the candidate's new test samples, scored apart
+    drop_check: dict = field(default_factory=dict)  # suspect, flagged clients and every client's figures
+    floors: dict = field(default_factory=dict)  # new clients: the candidate's accuracy and the floor it must keep
+    settings: dict = field(default_factory=dict)  # the registry settings the decision was made under
+    evaluation: bytes = b""  # the candidate's own figures per client (evaluation.json), not part of the record
 
     def to_json(self) -> dict:
         return {"promoted": self.promote, "reason": self.reason, "metric": self.metric, "candidate": self.candidate,
                 "champion": self.champion, "champion_version": self.champion_version, "shared_clients": self.shared_clients,
                 "new_clients": list(self.new_clients[:MAX_NAMED_CLIENTS]), "new_client_count": len(self.new_clients),
                 "candidate_on_new_clients": self.candidate_on_new_clients,
-                "dropped_clients": dict(list(self.dropped.items())[:MAX_NAMED_CLIENTS]), "dropped_client_count": len(self.dropped)}
+                "dropped_clients": dict(list(self.dropped.items())[:MAX_NAMED_CLIENTS]), "dropped_client_count": len(self.dropped),
+                "compared": self.compared, "new_samples": self.new_samples, "drop_check": self.drop_check,
+                "new_client_floors": dict(list(self.floors.items())[:MAX_NAMED_CLIENTS]), "settings": self.settings}
+
+
+def settings_of(registry: RegistryConfig) -> dict:
+    """The registry settings a decision depends on (the line's name aside)."""
+    return registry.model_dump(mode="json", exclude={"name"})
 
 
 def decide(candidate: Run, line: ModelLine, registry: RegistryConfig) -> Decision:
     """The gate's decision for `candidate` (an evaluated run) against `line`'s promoted version."""
-    metric = registry.gate_metric
-    data = prepare_data(candidate.bundle, candidate.load_partition(), candidate.device)
-    ids = client_ids(candidate)
-    mine = candidate_scores(candidate, data, ids)
+    metric, cfg, device = registry.gate_metric, candidate.cfg, candidate.device
+    cand = candidate_side(candidate)
+    mine = own_scores(cand, cfg, device)
     if metric == "global_accuracy" and mine.global_accuracy is None:
-        raise ConfigError(f"registry.gate_metric=global_accuracy, but {candidate.cfg.method.name} trains no global model "
+        raise ConfigError(f"registry.gate_metric=global_accuracy, but {cfg.method.name} trains no global model "
                           "(or the data has no global test set), so the gate has nothing to compare: choose "
                           "personalized_accuracy or worst10_accuracy. Nothing was registered or promoted.")
+    evaluation = _evaluation(cand, mine)
     version = line.promoted()  # a pointer to a missing or changed record: CorruptArtifactError, nothing promoted
     if version is None:
         value = gate_metric(metric, list(mine.clients.values()), mine.global_accuracy)
         return Decision(True, f"the first version of model line {line.name!r}: promoted without a comparison", metric,
-                        value, None, None, 0, tuple(mine.clients))
-    theirs = champion_scores(candidate, line, version, data, ids)
-    return compare(mine, theirs, version, registry)
+                        value, None, None, 0, tuple(mine.clients), settings=settings_of(registry), evaluation=evaluation)
+    record = line.record(version)
+    _check_inputs(ModelSpec.of_run(candidate), record, line.name)
+    champ_cfg = version_config(record, line.name)
+    champ_data, where = _champion_data(candidate, champ_cfg, record)
+    champ = champion_side(candidate, line, record, champ_cfg, champ_data)
+    known = [n for n in cand.names.values() if n in set(record.clients) and n in set(champ.names.values())]
+    if registry.reference:
+        tests, globals_, compared = _reference_sets(candidate, registry.reference, known)
+        new_tests, new_globals = {}, {}
+    else:
+        tests, globals_, new_tests, new_globals, compared = _shared_sets(cand, champ, known, champ_data is not None, where)
+    mine_shared, theirs = score(cand, cfg, device, tests, globals_), score(champ, cfg, device, tests, globals_)
+    new_samples = _apart(cand, champ, cfg, device, new_tests, new_globals)
+    checks, check_note = _drop_check(cand, champ, line, version, known, registry, cfg, device)
+    floors = _floors(cand, champ, record, [n for n in mine.clients if n not in known], mine, cfg, device)
+    new = tuple(n for n in mine.clients if n not in known)
+    shared = Scores({n: a for n, a in mine_shared.clients.items() if n in known}, mine_shared.global_accuracy)
+    decision = compare(shared, Scores({n: a for n, a in theirs.clients.items() if n in known}, theirs.global_accuracy),
+                       version, registry, new_clients=new, on_new=float(np.mean([mine.clients[n] for n in new])) if new else None,
+                       checks=checks, floors=floors, check_note=check_note)
+    return Decision(**{**decision.__dict__, "compared": compared, "new_samples": new_samples, "evaluation": evaluation})
 
 
-def compare(mine: Scores, theirs: Scores, version: int, registry: RegistryConfig) -> Decision:
-    """The decision from both model sets' scores (`theirs` holds the shared clients only)."""
-    metric = registry.gate_metric
+def compare(mine: Scores, theirs: Scores, version: int, registry: RegistryConfig, *, new_clients: tuple[str, ...] | None = None,
+            on_new: float | None = None, checks: list[ClientCheck] | None = None, floors: dict | None = None,
+            check_note: str = "") -> Decision:
+    """The decision from both model sets' scores on the compared data (`theirs` holds the shared clients only),
+    the drop check's figures and the new clients' floors."""
+    metric, checks, floors = registry.gate_metric, checks or [], floors or {}
     shared = [name for name in mine.clients if name in theirs.clients]
-    new = tuple(name for name in mine.clients if name not in theirs.clients)
-    on_new = float(np.mean([mine.clients[n] for n in new])) if new else None
+    new = new_clients if new_clients is not None else tuple(name for name in mine.clients if name not in theirs.clients)
+    if on_new is None and new and all(n in mine.clients for n in new):
+        on_new = float(np.mean([mine.clients[n] for n in new]))
+    flagged = [c for c in checks if c.flagged]
+    suspect = registry.drop_check.enabled and bool(flagged)
+    check = {"enabled": registry.drop_check.enabled, "suspect": suspect, "flagged": [c.to_json() for c in flagged[:MAX_NAMED_CLIENTS]],
+             "flagged_count": len(flagged), "clients": [c.to_json() for c in checks[:MAX_NAMED_CLIENTS]], "checked": len(checks),
+             "note": check_note}
+    common = {"drop_check": check, "floors": floors, "settings": settings_of(registry)}
     if metric == "global_accuracy" and theirs.global_accuracy is None:
         raise ConfigError(f"registry.gate_metric=global_accuracy, but the promoted version {version} has no global model "
                           "to compare with: choose personalized_accuracy or worst10_accuracy. Nothing was promoted.")
     if not shared and metric != "global_accuracy":
         return Decision(False, f"no client of this run is one of version {version}'s, so {metric} cannot be compared: "
-                        "not promoted (promote it by hand if it is wanted)", metric, None, None, version, 0, new, on_new)
+                        "not promoted (promote it by hand if it is wanted)", metric, None, None, version, 0, new, on_new, **common)
     candidate = gate_metric(metric, [mine.clients[n] for n in shared], mine.global_accuracy)
     champion = gate_metric(metric, [theirs.clients[n] for n in shared], theirs.global_accuracy)
     drops = {n: theirs.clients[n] - mine.clients[n] for n in shared}
     dropped = dict(sorted(((n, d) for n, d in drops.items() if d > registry.max_client_drop), key=lambda nd: -nd[1]))
+    below = {n: f for n, f in floors.items() if f["floor"] is not None and f["candidate"] < f["floor"] - registry.max_client_drop}
     better = candidate >= champion - registry.tolerance
     figures = f"{metric} {candidate:.4f} vs {champion:.4f} of version {version} over {len(shared)} shared clients"
-    if better and not dropped:
-        reason = f"promoted: {figures} (tolerance {registry.tolerance:g}); no client lost more than {registry.max_client_drop:g}"
+    if suspect:
+        named = "; ".join(f"{c.name}: {c.flagged}" for c in flagged[:5])
+        reason = (f"not promoted: the drop check flags {len(flagged)} client(s) ({named}{' ...' if len(flagged) > 5 else ''}): the "
+                  f"new data looks broken or poisoned for them. Check those clients' files; once the drop is fixed "
+                  f"retrain, or decide again with `fedpipe models regate` ({figures})")
     elif not better:
         reason = f"not promoted: {figures}, below it by more than the tolerance {registry.tolerance:g}"
-    else:
+    elif dropped:
         worst = ", ".join(f"{n} -{d:.4f}" for n, d in list(dropped.items())[:5])
         reason = (f"not promoted: {len(dropped)} client(s) lost more than max_client_drop={registry.max_client_drop:g} "
                   f"({worst}); {figures}")
-    return Decision(better and not dropped, reason, metric, candidate, champion, version, len(shared), new, on_new, dropped)
+    elif below:
+        worst = ", ".join(f"{n} {f['candidate']:.4f} < {f['floor']:.4f}" for n, f in list(below.items())[:5])
+        reason = (f"not promoted: {len(below)} new client(s) fall more than max_client_drop={registry.max_client_drop:g} below "
+                  f"the promoted version's model on their data ({worst}); {figures}")
+    else:
+        reason = f"promoted: {figures} (tolerance {registry.tolerance:g}); no client lost more than {registry.max_client_drop:g}"
+    promote = better and not dropped and not below and not suspect
+    return Decision(promote, reason, metric, candidate, champion, version, len(shared), new, on_new, dropped, **common)
 
 
 def worst_fraction_mean(accuracies: list[float], fraction: float) -> float:
@@ -145,42 +202,6 @@ def gate_metric(metric: str, accuracies: list[float], global_accuracy: float | N
     raise ConfigError(f"unknown registry.gate_metric {metric!r}; choose one of {', '.join(METRICS)}.")
 
 
-def _score(algorithm, server, clients, data: FederatedData, names: dict[int, str], cfg: RunConfig) -> Scores:
-    pers = evaluate_personalized(algorithm, server, clients, data, cfg.eval.batch_size, cfg.eval.ece_bins, candidates=cfg.eval.candidates)
-    glob = evaluate_global(algorithm, server, data, cfg.eval.batch_size, cfg.eval.ece_bins)
-    return Scores({names[c.client_id]: c.accuracy for c in pers.clients}, None if glob is None else glob.accuracy)
-
-
-def candidate_scores(run: Run, data: FederatedData, ids: dict[str, int]) -> Scores:
-    """The candidate run's final models on its own data."""
-    state = run.checkpoints(run.phases()[-1].name).load_final(run.device)
-    algorithm, _ = run.build_algorithm()
-    return _score(algorithm, state.server, state.clients, data, {i: n for n, i in ids.items()}, run.cfg)
-
-
-def champion_scores(run: Run, line: ModelLine, version: int, data: FederatedData, ids: dict[str, int]) -> Scores:
-    """Version `version`'s models on the candidate's data: the shared clients' personalized models (its states
-    mapped onto the candidate's client ids by name) and its global model."""
-    record = line.record(version)
-    _check_inputs(ModelSpec.of_run(run), record, line.name)
-    cfg = version_config(record, line.name)
-    device = run.device
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(cfg.run.seed, "init-global"))
-        model = build_model(record.spec.model, record.spec.input_shape, record.spec.num_classes).to(device)
-    algorithm = build_algorithm(cfg.method, model, cfg.run.seed)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    where = f"model line {line.name!r} version {version} ({line.store.url(line.keys.version(version) + STATE_FILE)})"
-    state = PhaseState.from_bytes(line.read(version, STATE_FILE, state_limit_for(model_bytes, len(record.clients))), device, where=where)
-    names = version_client_names(record, state, where)
-    to_mine = {c: ids[n] for c, n in names.items() if n in ids}
-    server = replace(state.server, per_client={to_mine[c]: p for c, p in state.server.per_client.items() if c in to_mine})
-    clients = {to_mine[c]: p for c, p in state.clients.items() if c in to_mine}
-    shared = set(to_mine.values())
-    subset = replace(data, clients=tuple(c for c in data.clients if c.client_id in shared))
-    return _score(algorithm, server, clients, subset, {i: n for n, i in ids.items()}, run.cfg)
-
-
 def _check_inputs(mine: ModelSpec, record: VersionRecord, line: str) -> None:
     """The promoted version must read the candidate's inputs and predict its labels (its model or method may differ)."""
     theirs = record.spec
@@ -199,3 +220,125 @@ def version_config(record: VersionRecord, line: str) -> RunConfig:
         return RunConfig.model_validate(tree or {})
     except ValidationError as e:
         raise CorruptArtifactError(f"{where} is not a valid fedpipe config: {format_validation_error(e)}") from None
+
+
+# --- what the gate compares on -----------------------------------------------------------------------------------
+
+def _champion_data(candidate: Run, champ_cfg: RunConfig, record: VersionRecord):
+    """The promoted version's own data (its drop read again, its partition made again) and a phrase saying what is
+    compared; None when that is this run's data, or cannot be had (the candidate's test splits are used then)."""
+    mine = candidate.cfg
+    if champ_cfg.data == mine.data and champ_cfg.partition == mine.partition and champ_cfg.run.seed == mine.run.seed:
+        return None, "the test splits of the data both versions were trained on"
+    if candidate.bundle.sample_ids is None:
+        return None, "this run's test splits (the data has no sample identities to match the promoted version's by)"
+    try:
+        return version_data(champ_cfg), f"the test samples both drops hold, as version {record.version}'s drop holds them"
+    except (DataError, ConfigError) as exc:
+        log.warning("The gate compares on this run's test splits: version %d's drop could not be read again (%s).",
+                    record.version, str(exc)[:300])
+        return None, f"this run's test splits: version {record.version}'s drop could not be read again ({str(exc)[:300]})"
+
+
+def _take(side: Side, rows: np.ndarray) -> LabeledArrays:
+    return LabeledArrays(side.bundle.train.x[rows], side.bundle.train.y[rows])
+
+
+def _shared_sets(cand: Side, champ: Side, known: list[str], own_drop: bool, where: str):
+    """(tests, globals, new tests, new globals, what was compared): the shared test samples from the promoted
+    version's drop, and the candidate's test samples that drop did not hold in its test splits."""
+    if not own_drop:
+        tests = {n: cand.split(n, "test") for n in known}
+        glob, _ = cand.global_test()
+        globals_ = {"": glob} if glob is not None else {}
+        new_tests, new_globals = {}, {}
+    else:
+        tests, new_tests = {}, {}
+        for n in known:
+            ct, ht = cand.client(n).test, champ.client(n).test
+            c_ids, h_ids = cand.ids(ct), champ.ids(ht)
+            tests[n], new_tests[n] = _take(champ, ht[np.isin(h_ids, c_ids)]), _take(cand, ct[~np.isin(c_ids, h_ids)])
+        (cg, c_ids), (hg, h_ids) = cand.global_test(), champ.global_test()
+        keep, fresh = np.isin(h_ids, c_ids), ~np.isin(c_ids, h_ids)
+        globals_ = {"": LabeledArrays(hg.x[keep], hg.y[keep])}
+        new_globals = {"": LabeledArrays(cg.x[fresh], cg.y[fresh])}
+    compared = {"on": where, "samples": int(sum(len(t) for t in tests.values())),
+                "global_samples": int(sum(len(g) for g in globals_.values())), "clients": len(known)}
+    return tests, globals_, new_tests, new_globals, compared
+
+
+def _reference_sets(candidate: Run, url: str, known: list[str]):
+    """(tests, globals, what was compared) from the pinned reference set `registry.reference`."""
+    from fedpipe.data.files import load_files
+
+    ref = load_files(url, candidate.cfg.data.image_size)
+    bundle = candidate.bundle
+    if tuple(ref.input_shape) != tuple(bundle.input_shape) or tuple(ref.class_names) != tuple(bundle.class_names):
+        raise ConfigError(f"registry.reference={url} holds inputs of shape {tuple(ref.input_shape)} with labels {list(ref.class_names)[:10]}, "
+                          f"but the line's models take {tuple(bundle.input_shape)} with {list(bundle.class_names)[:10]}: point it at a "
+                          "reference set laid out as the training data (same manifest labels, same image size). Nothing was promoted.")
+    tests = {n: LabeledArrays(ref.train.x[ref.clients == k], ref.train.y[ref.clients == k])
+             for k, n in enumerate(ref.client_names) if n in known}
+    compared = {"on": f"the reference set {ref.snapshot['source']}", "snapshot": ref.snapshot["digest"],
+                "samples": int(sum(len(t) for t in tests.values())), "global_samples": len(ref.train), "clients": len(tests)}
+    return tests, {"": ref.train}, compared
+
+
+def _weighted(scores: Scores, sets: dict[str, LabeledArrays]) -> float | None:
+    n = sum(len(sets[k]) for k in scores.clients)
+    return float(sum(a * len(sets[k]) for k, a in scores.clients.items()) / n) if n else None
+
+
+def _apart(cand: Side, champ: Side, cfg: RunConfig, device, tests: dict, globals_: dict) -> dict:
+    """Both versions on the candidate's new test samples: reported, never decided on."""
+    tests = {k: v for k, v in tests.items() if len(v)}
+    globals_ = {k: v for k, v in globals_.items() if len(v)}
+    out = {"samples": int(sum(len(t) for t in tests.values())), "global_samples": int(sum(len(g) for g in globals_.values()))}
+    if tests or globals_:
+        mine, theirs = score(cand, cfg, device, tests, globals_), score(champ, cfg, device, tests, globals_)
+        out |= {"candidate": _weighted(mine, tests), "champion": _weighted(theirs, tests),
+                "candidate_global": mine.global_accuracy, "champion_global": theirs.global_accuracy}
+    return out
+
+
+def _drop_check(cand: Side, champ: Side, line: ModelLine, version: int, known: list[str], registry: RegistryConfig,
+                cfg: RunConfig, device) -> tuple[list[ClientCheck], str]:
+    """The promoted version on each shared client's new test split, against its figures at registration."""
+    if not registry.drop_check.enabled:
+        return [], "disabled (registry.drop_check.enabled=false)"
+    then = read_evaluation(line, version)
+    if then is None:
+        return [], f"version {version} recorded no per-client figures (registered before the drop check): not checked"
+    tests = {n: cand.split(n, "test") for n in known if n in then}
+    now = score(champ, cfg, device, tests).clients
+    labels = {n: cand.client(n).label_counts for n in tests}
+    return check_drop(then, now, {n: len(t) for n, t in tests.items()}, labels, cand.bundle.num_classes, registry.drop_check), ""
+
+
+def _floors(cand: Side, champ: Side, record: VersionRecord, new: list[str], mine: Scores, cfg: RunConfig, device) -> dict:
+    """Each new client's floor: the promoted version's global model on its test split, or (a method without one)
+    the promoted client model whose label mix is nearest the new client's."""
+    if not new:
+        return {}
+    tests = {n: cand.split(n, "test") for n in new}
+    glob = score(champ, cfg, device, {}, tests).globals or {}
+    theirs = [n for n in champ.names.values() if n in set(record.clients)]
+    floors = {}
+    for n in new:
+        if n not in mine.clients:
+            continue
+        if glob.get(n) is not None:
+            floors[n] = {"candidate": mine.clients[n], "floor": glob[n], "from": "the promoted global model"}
+        elif theirs:
+            counts = cand.client(n).label_counts
+            nearest = min(theirs, key=lambda m: (label_shift(champ.client(m).label_counts, counts), m))
+            acc = score(champ, cfg, device, {nearest: tests[n]}).clients.get(nearest)
+            floors[n] = {"candidate": mine.clients[n], "floor": acc, "from": f"the promoted model of client {nearest}"}
+    return floors
+
+
+def _evaluation(cand: Side, mine: Scores) -> bytes:
+    """The candidate's own figures per client, recorded with its version (what a later drop check compares with)."""
+    names = {n: cand.client(n) for n in mine.clients}
+    return evaluation_bytes(mine.clients, {n: len(c.test) for n, c in names.items()},
+                            {n: c.label_counts for n, c in names.items()}, mine.global_accuracy)

@@ -29,7 +29,8 @@ from fedpipe.config import refuse_url_credentials
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export_run
-from fedpipe.models.gate import decide
+from fedpipe.models.drop_check import EVALUATION_FILE
+from fedpipe.models.gate import decide, settings_of
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
@@ -57,10 +58,11 @@ def publish(run: Run) -> dict:
     line = ModelLine(run.store, registry.name)
     with run.owner:  # the run's one writer (a second publisher of the same run stops here, naming the first)
         record = registered(line, run.layout.run_id)
+        reused = record is not None
         if record is None:
             decision = decide(run, line, registry)  # may raise: then nothing is registered
             files, _, clients = export_run(run)  # clients: names in the order of their ids (what a warm start maps by)
-            files = {**files, STATE_FILE: final_state_bytes(run)}
+            files = {**files, STATE_FILE: final_state_bytes(run), EVALUATION_FILE: decision.evaluation}
             data = run.cfg.data
             snapshot = run.bundle.snapshot or ({"source": data.source, "digest": data.snapshot} if data.snapshot else None)
             record = line.register(VersionRecord(0, run.layout.run_id, ModelSpec.of_run(run), run.cfg.to_yaml(), snapshot, summary,
@@ -68,7 +70,12 @@ def publish(run: Run) -> dict:
             log.info("Model line %r: registered run %s as version %d.", line.name, run.layout.run_id, record.version)
         finish_promotion(line, record)
         result = outcome(line, record)
-        page = model_line_markdown(line.name, line_rows(line), result["promoted_version"], line.history()[-REPORT_VERSIONS:])
+        if reused:
+            result["reused"] = True
+            result["note"] = reuse_note(line, record, settings_of(registry))
+            log.warning("%s", result["note"])
+        page = model_line_markdown(line.name, line_rows(line), result["promoted_version"], line.history()[-REPORT_VERSIONS:],
+                                   record.decision)
         run.store.put_text(run.layout.report("model_line.md"), page)
     push_decision(run, line, record, result["promoted_version"])
     return {**result, "report": run.store.url(run.layout.report("model_line.md"))}
@@ -81,6 +88,23 @@ def registered(line: ModelLine, run_id: str) -> VersionRecord | None:
         if record.run_id == run_id:
             return record
     return None
+
+
+def reuse_note(line: ModelLine, record: VersionRecord, settings: dict) -> str:
+    """What a rerun of a registered run says: the registration is reused, and whether its decision was made under
+    other registry settings than the run's now (then `fedpipe models regate` decides again without retraining)."""
+    note = (f"Model line {line.name!r}: this run is already registered as version {record.version}; its registration and "
+            f"decision are reused (the gate did not decide again).")
+    then = record.decision.get("settings")
+    if then is None:
+        return note + (" Its decision records no registry settings (made by an older fedpipe); to decide again under this "
+                       f"run's, run `fedpipe models regate {line.name}@{record.version}`.")
+    differ = sorted(k for k in set(then) | set(settings) if then.get(k) != settings.get(k))
+    if differ:
+        shown = ", ".join(f"registry.{k}: {then.get(k)!r} then, {settings.get(k)!r} now" for k in differ[:6])
+        note += (f" Its decision was made under other registry settings ({shown}); to decide again under the new ones, run "
+                 f"`fedpipe models regate {line.name}@{record.version}` with the same --set options.")
+    return note
 
 
 def finish_promotion(line: ModelLine, record: VersionRecord) -> None:
@@ -112,6 +136,7 @@ def outcome(line: ModelLine, record: VersionRecord) -> dict:
             "promoted": bool(d.get("promoted")), "promoted_version": line.promoted(), "reason": d.get("reason", ""),
             "metric": d.get("metric"), "candidate": d.get("candidate"), "champion": d.get("champion"),
             "champion_version": d.get("champion_version"), "clients": list(record.clients),
+            "compared": d.get("compared"), "new_samples": d.get("new_samples"), "drop_check": d.get("drop_check"),
             "global_model": None if glob is None else glob.file, "global_format": None if glob is None else glob.format,
             "client_models": {name: f.file for name, f in spec.clients.items()},
             "client_formats": sorted({f.format for f in spec.clients.values()}),
@@ -152,6 +177,12 @@ def push_decision(run: Run, line: ModelLine, record: VersionRecord, promoted_ver
         if isinstance(value, (int, float)):
             Gauge(f"fedpipe_model_{name}_metric", f"The gate's metric of the {name} version (0..1).", ["version", "metric"],
                   registry=registry).labels(of, metric).set(float(value))
+    check = d.get("drop_check") or {}
+    Gauge("fedpipe_model_drop_suspect", "1 when the drop check flagged the newest version's data as broken or poisoned "
+          "(its promoted model collapsed on some clients), 0 when not.", ["version"], registry=registry).labels(version).set(
+          1 if check.get("suspect") else 0)
+    Gauge("fedpipe_model_drop_flagged_clients", "Clients the drop check flagged in the newest version's data.", ["version"],
+          registry=registry).labels(version).set(int(check.get("flagged_count") or 0))
     if promoted_version is not None:
         Gauge("fedpipe_model_promoted_version", "The line's promoted version.", registry=registry).set(promoted_version)
     try:

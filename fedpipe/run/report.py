@@ -251,7 +251,7 @@ def comparison_table(summaries: list[dict]) -> str:
     return f"{head}, seed {md_text(first.get('seed', '?'), 30)}" + "\n\n" + "\n".join(lines)
 
 
-def model_line_markdown(line: str, rows: list[dict], promoted: int | None, history: list[dict]) -> str:
+def model_line_markdown(line: str, rows: list[dict], promoted: int | None, history: list[dict], decision: dict | None = None) -> str:
     """The report's "Model line" page (`report/model_line.md`, written when a run is published): the line's
     versions with their accuracy, data snapshot and the gate's decision, then its promotions and rollbacks.
     `rows`: {version, run_id, created, personalized_accuracy, global_accuracy, data, promoted, reason} each;
@@ -269,8 +269,45 @@ def model_line_markdown(line: str, rows: list[dict], promoted: int | None, histo
         verdict = "promoted" if r.get("promoted") else "not promoted"
         lines.append(f"| {md_text(r.get('version'))}{mark} | {md_text(r.get('run_id'), 120)} | {pct(r.get('personalized_accuracy'))} | "
                      f"{pct(r.get('global_accuracy'))} | {snapshot} | {verdict}: {md_text(r.get('reason', ''), 400)} |")
+    if decision:
+        lines += decision_markdown(decision)
     if history:
         lines += ["", "Promotions and rollbacks, oldest first:", ""]
         lines += [f"- {md_text(e.get('time'), 40)}: {md_text(e.get('action'), 20)} version {md_text(e.get('version'))}: "
                   f"{md_text(e.get('reason', ''), 400)}" for e in history]
     return "\n".join(lines) + "\n"
+
+
+def decision_markdown(d: dict) -> list[str]:
+    """The gate's decision for this run's version: what it compared on, the new samples apart, the drop check's
+    per-client figures and the new clients' floors (every text escaped: the record may come from someone else)."""
+    pct = lambda x: _number(x, ".2f", 100, "%")  # noqa: E731
+    out = ["", "## This run's version: the gate's decision", "", f"{md_text(d.get('reason', ''), 1000)}", ""]
+    c = d.get("compared") if isinstance(d.get("compared"), dict) else {}
+    if c:
+        out.append(f"- Compared on {md_text(c.get('on', ''), 400)}: {md_text(c.get('samples'))} client test samples over "
+                   f"{md_text(c.get('clients'))} shared clients, {md_text(c.get('global_samples'))} global test samples.")
+    n = d.get("new_samples") if isinstance(d.get("new_samples"), dict) else {}
+    if n.get("samples") or n.get("global_samples"):
+        out.append(f"- New test samples, reported apart (not decided on): {md_text(n.get('samples'))} client samples, candidate "
+                   f"{pct(n.get('candidate'))} vs promoted {pct(n.get('champion'))}; {md_text(n.get('global_samples'))} global "
+                   f"samples, candidate {pct(n.get('candidate_global'))} vs promoted {pct(n.get('champion_global'))}.")
+    check = d.get("drop_check") if isinstance(d.get("drop_check"), dict) else {}
+    if check:
+        state = "suspect" if check.get("suspect") else "not suspect"
+        note = f" {md_text(check.get('note'), 400)}" if check.get("note") else ""
+        out += ["", f"Drop check: {state}, {md_text(check.get('flagged_count', 0))} of {md_text(check.get('checked', 0))} "
+                f"client(s) flagged.{note}", ""]
+        rows = check.get("clients") if isinstance(check.get("clients"), list) else []
+        if rows:
+            out += ["| client | promoted model then | on the new drop | test samples | label shift | flagged |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+            out += [f"| {md_text(r.get('client'), 100)} | {pct(r.get('then'))} | {pct(r.get('now'))} | {md_text(r.get('test_samples'))} | "
+                    f"{_number(r.get('label_shift'), '.2f', 1, '')} | {md_text(r.get('flagged') or 'no', 300)} |"
+                    for r in rows if isinstance(r, dict)]
+    floors = d.get("new_client_floors") if isinstance(d.get("new_client_floors"), dict) else {}
+    if floors:
+        out += ["", "New clients and their floors:", ""]
+        out += [f"- {md_text(name, 100)}: candidate {pct(f.get('candidate'))}, floor {pct(f.get('floor'))} "
+                f"({md_text(f.get('from', ''), 200)})" for name, f in floors.items() if isinstance(f, dict)]
+    return out

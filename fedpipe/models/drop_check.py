@@ -1,0 +1,115 @@
+"""The drop check: is the new data drop what the line has been learning from, or broken or poisoned?
+
+A drop whose labels were rotated for one site (or whose images were swapped) looks fine to a gate that scores
+both versions on the drop's own test splits: the candidate learned the wrong labels and agrees with them. What
+gives it away is the promoted version: its accuracy on that site's new test split collapses (~0.9 at
+registration, ~0.01 now). So before comparing, the gate scores the promoted version on each client's new test
+split and compares with the figures the version recorded of itself when it was registered
+(`evaluation.json`: each client's accuracy on its own test split, its test sample count and label counts).
+
+A client is flagged when it has at least `min_samples` test samples now and
+- its accuracy fell by more than `max_drop`, or
+- it fell below `chance_multiple` x chance (1 / classes) having been above it, or
+- its label distribution moved by more than `max_label_shift` (total variation distance).
+Any flagged client marks the drop as suspect: the candidate is not promoted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedpipe.config import DropCheckConfig
+from fedpipe.errors import CorruptArtifactError
+from fedpipe.models.line import ModelLine
+from fedpipe.safe_load import parse_json
+
+EVALUATION_FILE = "evaluation.json"
+EVALUATION_FORMAT = "fedpipe.version-evaluation/1"
+MAX_EVALUATION_BYTES = 256 * 2**20  # 100,000 clients x 1,000 label counts is ~200 MB of JSON; more is not a record
+
+
+@dataclass(frozen=True)
+class ClientFigures:
+    """What a version recorded of one client when it was registered."""
+
+    accuracy: float
+    test_samples: int
+    label_counts: tuple[int, ...]
+
+
+def evaluation_bytes(accuracy: dict[str, float], test_samples: dict[str, int], label_counts: dict[str, np.ndarray],
+                     global_accuracy: float | None) -> bytes:
+    """The version's own figures, written beside its models at registration."""
+    clients = {n: {"accuracy": float(a), "test_samples": int(test_samples[n]), "label_counts": [int(v) for v in label_counts[n]]}
+               for n, a in accuracy.items()}
+    return json.dumps({"format": EVALUATION_FORMAT, "global_accuracy": global_accuracy, "clients": clients}).encode()
+
+
+def read_evaluation(line: ModelLine, version: int) -> dict[str, ClientFigures] | None:
+    """Version `version`'s recorded figures per client; None when it has none (registered before the drop
+    check existed). Checked against the sha256 its record holds, bounded, and type-checked."""
+    if EVALUATION_FILE not in line.record(version).files:
+        return None
+    where = line.store.url(line.keys.version(version) + EVALUATION_FILE)
+    tree = parse_json(line.read(version, EVALUATION_FILE, MAX_EVALUATION_BYTES), where, "version evaluation record",
+                      MAX_EVALUATION_BYTES, CorruptArtifactError, "Restore it, or promote another version.")
+    if not isinstance(tree, dict) or tree.get("format") != EVALUATION_FORMAT or not isinstance(tree.get("clients"), dict):
+        raise CorruptArtifactError(f"{where} is not a version's evaluation record; restore it, or promote another version.")
+    out = {}
+    for name, c in tree["clients"].items():
+        ok = (isinstance(c, dict) and isinstance(c.get("accuracy"), (int, float)) and 0.0 <= c["accuracy"] <= 1.0
+              and isinstance(c.get("test_samples"), int) and c["test_samples"] >= 0 and isinstance(c.get("label_counts"), list)
+              and all(isinstance(v, int) and v >= 0 for v in c["label_counts"]))
+        if not ok:
+            raise CorruptArtifactError(f"{where}: client {str(name)[:100]!r} has malformed figures; restore the file, or promote "
+                                       "another version.")
+        out[name] = ClientFigures(float(c["accuracy"]), c["test_samples"], tuple(c["label_counts"]))
+    return out
+
+
+def label_shift(then: tuple[int, ...] | np.ndarray, now: np.ndarray) -> float:
+    """Total variation distance between two label distributions given as counts (0: the same mix, 1: disjoint)."""
+    a, b = np.asarray(then, dtype=np.float64), np.asarray(now, dtype=np.float64)
+    if a.shape != b.shape or a.sum() == 0 or b.sum() == 0:
+        return 0.0
+    return float(0.5 * np.abs(a / a.sum() - b / b.sum()).sum())
+
+
+@dataclass(frozen=True)
+class ClientCheck:
+    """One client's figures in the drop check."""
+
+    name: str
+    then: float  # the promoted version's accuracy on the client at registration
+    now: float  # ... on the client's test split of the new drop
+    samples: int  # test samples in the new drop
+    shift: float  # total variation distance of its label distribution since
+    flagged: str = ""  # why it is flagged ("" when it is not)
+
+    def to_json(self) -> dict:
+        return {"client": self.name, "then": round(self.then, 6), "now": round(self.now, 6), "test_samples": self.samples,
+                "label_shift": round(self.shift, 6), "flagged": self.flagged}
+
+
+def check_drop(then: dict[str, ClientFigures], now: dict[str, float], samples: dict[str, int],
+               labels_now: dict[str, np.ndarray], num_classes: int, cfg: DropCheckConfig) -> list[ClientCheck]:
+    """Every client the promoted version recorded and the new drop holds, with why it is flagged (if it is);
+    flagged clients first, worst first."""
+    floor = cfg.chance_multiple / max(1, num_classes)
+    checks = []
+    for name in sorted(set(then) & set(now)):
+        before, after, n = then[name].accuracy, now[name], samples.get(name, 0)
+        shift = label_shift(then[name].label_counts, labels_now[name]) if name in labels_now else 0.0
+        why = ""
+        if n >= cfg.min_samples:
+            if before - after > cfg.max_drop:
+                why = f"accuracy fell {before:.3f} -> {after:.3f} (more than {cfg.max_drop:g})"
+            elif after < floor <= before:
+                why = f"accuracy fell to {after:.3f}, below {cfg.chance_multiple:g}x chance ({floor:.3f}), from {before:.3f}"
+            elif shift > cfg.max_label_shift:
+                why = f"label distribution moved by {shift:.2f} (total variation; more than {cfg.max_label_shift:g})"
+        checks.append(ClientCheck(name, before, after, n, shift, why))
+    return sorted(checks, key=lambda c: (not c.flagged, c.now - c.then, c.name))
