@@ -601,13 +601,20 @@ SourceArg = Annotated[str, typer.Argument(help="A folder, or s3://bucket/prefix 
 def data_init(source: SourceArg,
               client_column: Annotated[Optional[str], typer.Option(help="Tables: the column naming each row's client (default: a column named client, site, device, user, ...).")] = None,
               label_column: Annotated[Optional[str], typer.Option(help="Tables: the column holding the label (default: label, target, class, y).")] = None,
-              force: Annotated[bool, typer.Option("--force", help="Replace an existing fedpipe-data.yaml.")] = False):
+              force: Annotated[bool, typer.Option("--force", help="Replace an existing fedpipe-data.yaml.")] = False,
+              root: Annotated[bool, typer.Option("--root", help="Write it in the folder above SOURCE (the drops root: "
+                                                 "drops/fedpipe-data.yaml), where every drop without a manifest of its own finds it.")] = False):
     """Look at the files under SOURCE and write its manifest, fedpipe-data.yaml: the layout, the columns and
-    the label names. Read it, edit it if a guess is wrong, then run `fedpipe data check SOURCE`."""
+    the label names. Read it, edit it if a guess is wrong, then run `fedpipe data check SOURCE`.
+
+    For dated drops (drops/2026-01-01, drops/2026-02-01, ... read as drops/latest), write it once at the
+    root with `fedpipe data init drops/latest --root`: a drop that has no fedpipe-data.yaml of its own uses
+    the root's, so a scheduled run needs nothing written into each new drop (list every label the drops
+    will ever hold: a label missing from it stops a run)."""
     from fedpipe.data.files.init import init_manifest, write_manifest
 
     manifest, where = init_manifest(source, client_column=client_column, label_column=label_column)
-    written = write_manifest(source, manifest, force=force)
+    written = write_manifest(source, manifest, force=force, root=root)
     typer.echo(f"wrote {written}: layout {manifest.source.layout}, {len(manifest.labels)} labels "
                f"({', '.join(manifest.labels[:10])}{' ...' if len(manifest.labels) > 10 else ''})")
     typer.echo(f"next: fedpipe data check {source}")
@@ -644,10 +651,17 @@ LineStoreOpt = Annotated[Optional[str], typer.Option("--store", help="The store 
 
 
 def _model_line(name: str, store: Optional[str], config: Optional[Path], overrides: Optional[list[str]]):
-    from fedpipe.models.line import ModelLine
+    """The line NAME in the store; a line that is not there is an error naming the lines that are."""
+    from fedpipe.models.line import ModelLine, line_names
     from fedpipe.store import open_store
 
-    return ModelLine(open_store(store if store is not None else _load(config, overrides).run.store), name)
+    line = ModelLine(open_store(store if store is not None else _load(config, overrides).run.store), name)
+    if not line.exists():
+        lines = line_names(line.store)
+        there = f"the lines there: {', '.join(lines[:20])}" if lines else "there is no model line there yet (a run with registry.name=NAME registers one)"
+        raise FedpipeError(f"No model line {name!r} in {line.store.url()}; {there}. Pass --store (or --config / --set "
+                           "run.store=...) if the line lives in another store.")
+    return line
 
 
 def _line_and_version(ref: str, store, config, overrides, *, default_latest: bool):
@@ -737,6 +751,24 @@ def models_show(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", hel
         typer.echo(f"  file         {key[len(folder):]:<40} {line.store.size(key) or 0:>12,} bytes")
     for entry in line.history()[-10:]:
         typer.echo(f"  history      #{entry['seq']} {entry['time']} {entry['action']} v{entry['version']}: {entry['reason']}")
+
+
+@models_app.command("regate")
+@_guarded
+def models_regate(ref: Annotated[str, typer.Argument(metavar="NAME@VERSION", help="The line and the version to decide on again.")],
+                  store: LineStoreOpt = None, set: SetOpt = None):
+    """Decide again whether a registered version should be promoted, without retraining: the gate scores its run's
+    models against the promoted version under the version's registry settings with --set registry.*=... applied
+    (e.g. after a rerun reported a registration made under other settings, or after a flagged drop was checked by
+    hand). A promotion is recorded in the line's history; the version's record is never rewritten."""
+    from fedpipe.models.publish import regate
+
+    if "@" not in ref:
+        raise FedpipeError(f"{ref!r}: name the version as NAME@VERSION (`fedpipe models list {ref}`).")
+    line, version = _line_and_version(ref, store, None, None, default_latest=False)
+    result = regate(line, version, list(set or []))
+    verdict = "promoted" if result["changed"] else ("already promoted" if result["promoted"] else "not promoted")
+    typer.echo(f"model line {line.name}, version {version}: {verdict}: {result['reason']}")
 
 
 @models_app.command("promote")

@@ -310,6 +310,12 @@ class PromotionLog:
         return stack
 
 
+def line_names(store: Store) -> list[str]:
+    """The model lines in `store` (those with at least one key under models/<name>/), by name."""
+    names = {key.split("/")[1] for key in store.list("models/") if key.count("/") >= 2}
+    return sorted(n for n in names if re.fullmatch(NAME_PATTERN, n))
+
+
 class ModelLine:
     """One named line of models in a store."""
 
@@ -327,6 +333,10 @@ class ModelLine:
         if version not in self._hashes:
             self._hashes[version] = self.record(version).files
         return self._hashes[version]
+
+    def exists(self) -> bool:
+        """True when anything of the line is in the store (a version, a claim, the pointer)."""
+        return bool(self.store.list(self.keys.folder))
 
     def versions(self) -> list[int]:
         """The registered versions, ascending."""

@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 import os
 
-from fedpipe.config import refuse_url_credentials
+from pydantic import ValidationError
+
+from fedpipe.config import format_validation_error, refuse_url_credentials
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export_run
@@ -81,6 +83,42 @@ def publish(run: Run) -> dict:
     return {**result, "report": run.store.url(run.layout.report("model_line.md"))}
 
 
+def regate(line: ModelLine, version: int, overrides: list[str]) -> dict:
+    """Decide again whether `version` should be promoted, without retraining: its run (still in the store) against
+    the promoted version, under its recorded registry settings with `overrides` (registry.* only) applied. A
+    promotion is made and recorded in the line's history; the version's record itself is never rewritten."""
+    from fedpipe.config import apply_override
+    from fedpipe.models.gate import version_config
+
+    bad = [o for o in overrides if not o.strip().startswith("registry.")]
+    if bad:
+        raise ConfigError(f"regate decides again under other registry settings only; {', '.join(map(repr, bad[:3]))} "
+                          "would need a new run (retrain with `fedpipe run`).")
+    record = line.record(version)
+    tree = version_config(record, line.name).model_dump(mode="json")
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    from fedpipe.run.config import RunConfig
+
+    try:
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    promoted = line.promoted()
+    if promoted == version:
+        return {"version": version, "promoted": True, "changed": False,
+                "reason": f"version {version} is the promoted version already: there is nothing to decide"}
+    run = Run(cfg, line.store)
+    if not run.store.exists(run.layout.report("summary.json")):
+        raise ConfigError(f"Version {version}'s run {record.run_id!r} is no longer in {line.store.url()} (its evaluated "
+                          "run folder is needed to score its models): regate cannot decide; promote by hand if it is wanted.")
+    decision = decide(run, line, cfg.registry)
+    if decision.promote:
+        line.promote(version, f"regated: {decision.reason}"[:2000])
+    return {"version": version, "promoted": decision.promote, "changed": decision.promote, "reason": decision.reason,
+            "decision": decision.to_json()}
+
+
 def registered(line: ModelLine, run_id: str) -> VersionRecord | None:
     """The version this run was registered as, if an earlier attempt of the step registered it."""
     for version in reversed(line.versions()):
@@ -110,7 +148,7 @@ def reuse_note(line: ModelLine, record: VersionRecord, settings: dict) -> str:
 def finish_promotion(line: ModelLine, record: VersionRecord) -> None:
     """Promote the version when its decision says so and no promotion of it was made yet."""
     if not record.decision.get("promoted"):
-        log.info("Model line %r: version %d is not promoted: %s", line.name, record.version, record.decision.get("reason"))
+        log.info("Model line %r, version %d: %s", line.name, record.version, record.decision.get("reason"))
         return
     if any(entry["version"] == record.version for entry in line.history()):
         return  # promoted by an earlier attempt (or promoted and rolled back since: left as it is)

@@ -80,6 +80,15 @@ class DataSource(ABC):
         """True when an object is stored under `key` (without listing, in the sources below)."""
         return any(o.key == key for o in self.list())
 
+    @abstractmethod
+    def parent(self) -> DataSource | None:
+        """The folder or prefix one level up (where a drops root keeps the manifest its drops share); None at
+        the top (a filesystem root, a bucket)."""
+
+    @abstractmethod
+    def stat(self, key: str) -> SourceObject | None:
+        """The listing of one object by key, without listing the source (None when there is none)."""
+
 
 def _hidden(key: str) -> bool:
     return any(part.startswith(".") for part in key.split("/"))
@@ -225,6 +234,13 @@ class FolderSource(DataSource):
     def exists(self, key: str) -> bool:
         return self._path(_write_key(key)).is_file()
 
+    def parent(self) -> FolderSource | None:
+        return None if self.root.parent == self.root else FolderSource(self.root.parent)
+
+    def stat(self, key: str) -> SourceObject | None:
+        path = self._path(_write_key(key))
+        return self._entry(path) if path.is_file() else None
+
     def write(self, key: str, data: bytes) -> str:
         path = self._path(_write_key(key))
         tmp = path.parent / f".fedpipe-tmp-{secrets.token_hex(8)}"  # hidden: never listed
@@ -360,6 +376,26 @@ class S3Source(DataSource):
                 self._no_bucket(exc)
                 raise
             return True
+
+        return self._call(f"checking {self.url(key)}", stat_object)
+
+    def parent(self) -> S3Source | None:
+        if not self.prefix:
+            return None
+        return S3Source(self.bucket, self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else "")
+
+    def stat(self, key: str) -> SourceObject | None:
+        name = self._base + _write_key(key)
+
+        def stat_object() -> SourceObject | None:
+            try:
+                found = self._client.stat_object(self.bucket, name)
+            except S3Error as exc:
+                if exc.code in _MISSING_S3:
+                    return None
+                self._no_bucket(exc)
+                raise
+            return SourceObject(key, int(found.size or 0), (found.etag or "").strip('"'))
 
         return self._call(f"checking {self.url(key)}", stat_object)
 

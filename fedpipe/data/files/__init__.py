@@ -47,33 +47,56 @@ class DataCheck:
     files_read: int = 0  # the data files the layout read (the snapshot covers every file listed)
 
 
+INHERITED_MANIFEST = "../" + MANIFEST_NAME  # how a manifest shared from the drops root enters a snapshot
+
+
+def find_manifest(source: DataSource, objects: list[SourceObject]) -> tuple[DataSource, SourceObject] | None:
+    """Where the source's manifest is: its own `fedpipe-data.yaml`, else the one in the folder above it (a drops
+    root: `drops/fedpipe-data.yaml` serves `drops/2026-03-01`, so a drop needs only its data); None when neither."""
+    own = next((o for o in objects if o.key == MANIFEST_NAME), None)
+    if own is not None:
+        return source, own
+    parent = source.parent()
+    found = parent.stat(MANIFEST_NAME) if parent is not None else None
+    return (parent, found) if found is not None else None
+
+
 def read_manifest(source: DataSource, objects: list[SourceObject]) -> DataManifest:
-    """The source's fedpipe-data.yaml, bounded and validated; a DataError saying how to make one."""
-    entry = next((o for o in objects if o.key == MANIFEST_NAME), None)
-    if entry is None:
+    """The source's fedpipe-data.yaml (its own, or its drops root's), bounded and validated; a DataError saying
+    how to make one."""
+    found = find_manifest(source, objects)
+    if found is None:
+        above = source.parent()
+        root = f" or, for every drop at once, in {above.url()} (`fedpipe data init {source.url()} --root`)" if above else ""
         raise DataError(
-            f"{source.url()} has no {MANIFEST_NAME}, the file that says how the data is laid out. Write one with "
-            f"`fedpipe data init {source.url()}` (it looks at the files and proposes the layout, the columns and "
-            "the label names), check it, and run again."
+            f"{source.url()} has no {MANIFEST_NAME}, the file that says how the data is laid out, and neither has the "
+            f"folder above it. Write one with `fedpipe data init {source.url()}` (it looks at the files and proposes the "
+            f"layout, the columns and the label names){root}, check it, and run again."
         )
-    text = source.read(entry, MANIFEST_MAX_BYTES).decode("utf-8", errors="replace")
+    holder, entry = found
+    where = holder.url(MANIFEST_NAME)
+    text = holder.read(entry, MANIFEST_MAX_BYTES).decode("utf-8", errors="replace")
     try:
-        tree = parse_yaml(text, source.url(MANIFEST_NAME), "data manifest")  # bounded size, depth and nodes
+        tree = parse_yaml(text, where, "data manifest")  # bounded size, depth and nodes
         return DataManifest.model_validate(tree or {})
     except ValidationError as exc:
-        raise DataError(f"{source.url(MANIFEST_NAME)} is not a valid data manifest: {format_validation_error(exc)}") from None
+        raise DataError(f"{where} is not a valid data manifest: {format_validation_error(exc)}") from None
     except ConfigError as exc:
         raise DataError(f"{exc} Fix it, or rewrite it with `fedpipe data init`.") from None
 
 
 def snapshot_of(source: DataSource, objects: list[SourceObject]) -> dict:
-    """What a run read: the source URL, a sha256 over every object's key, size and version (in key order),
-    how many objects and how many bytes."""
+    """What a run read: the source URL, a sha256 over every object's key, size and version (in key order, a
+    manifest shared from the drops root as `../fedpipe-data.yaml`), how many objects and how many bytes."""
+    found = find_manifest(source, objects)
+    listed = list(objects)
+    if found is not None and found[0] is not source:
+        listed.append(SourceObject(INHERITED_MANIFEST, found[1].size, found[1].version))
     digest = hashlib.sha256()
-    for o in sorted(objects, key=lambda o: o.key):
+    for o in sorted(listed, key=lambda o: o.key):
         digest.update(f"{o.key}\0{o.size}\0{o.version}\n".encode())
-    return {"source": source.url(), "digest": digest.hexdigest(), "objects": len(objects),
-            "bytes": int(sum(o.size for o in objects))}
+    return {"source": source.url(), "digest": digest.hexdigest(), "objects": len(listed),
+            "bytes": int(sum(o.size for o in listed))}
 
 
 def current_snapshot(url: str) -> dict:

@@ -49,10 +49,16 @@ def init_manifest(url: str, client_column: str | None = None, label_column: str 
     return manifest, source.url(MANIFEST_NAME)
 
 
-def write_manifest(url: str, manifest: DataManifest, force: bool = False) -> str:
-    """Write `manifest` (with its comment header) as the fedpipe-data.yaml of the source `url`; returns where.
-    An existing manifest is a DataError unless `force`."""
+def write_manifest(url: str, manifest: DataManifest, force: bool = False, root: bool = False) -> str:
+    """Write `manifest` (with its comment header) as the fedpipe-data.yaml of the source `url` (with `root`: of
+    the folder above it, the drops root every drop without a manifest of its own reads); returns where. An
+    existing manifest is a DataError unless `force`."""
     source = open_source(url)
+    if root:
+        above = source.parent()
+        if above is None:
+            raise DataError(f"{source.url()} has no folder above it to hold a shared manifest; leave out --root.")
+        source = above
     if not force and source.exists(MANIFEST_NAME):
         raise DataError(
             f"{source.url(MANIFEST_NAME)} already exists: edit it by hand, or replace it with `fedpipe data init "
