@@ -528,7 +528,7 @@ def values_leaves(tree: dict, prefix: str = "") -> list[str]:
 # Values whose content is a free-form map (Kubernetes objects, labels, the run config).
 FREE_FORM = {
     "runConfig", "register.resources", "podSecurityContext", "containerSecurityContext", "pushgateway.resources",
-    "pushgateway.podSecurityContext", "pushgateway.containerSecurityContext", "dashboard.labels", "serviceMonitor.labels",
+    "pushgateway.podSecurityContext", "pushgateway.containerSecurityContext", "dashboard.labels", "serviceMonitor.labels", "alerts.labels",
     "networkPolicy.podSelector", "networkPolicy.dns.podLabels", "networkPolicy.storage.podLabels",
     "networkPolicy.pushgateway.podLabels", "training.resources", "steps.resources", "register.podAnnotations",
     "pushgateway.podAnnotations", "tests.resources",

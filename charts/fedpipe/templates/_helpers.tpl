@@ -339,3 +339,14 @@ pytorchjob
 {{- define "fedpipe.taskPodLabels" -}}
 {{- toYaml (merge (dict "pipelines.kubeflow.org/v2_component" "true") (include "fedpipe.labels" . | fromYaml)) }}
 {{- end }}
+
+{{/* "true" when the PrometheusRule is rendered: alerts.enabled true, or auto where the cluster serves the
+     Prometheus Operator's PrometheusRule API and the chart runs the Pushgateway the rules read. */}}
+{{- define "fedpipe.alertsEnabled" -}}
+{{- $enabled := toString .Values.alerts.enabled }}
+{{- if eq $enabled "true" }}
+{{- "true" }}
+{{- else if and (eq $enabled "auto") .Values.pushgateway.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/PrometheusRule") }}
+{{- "true" }}
+{{- end }}
+{{- end }}
