@@ -59,12 +59,15 @@ def breast_cancer_table(path: Path) -> Path:
     return path
 
 
-def upload_folder(raw_client, folder: Path, bucket: str, prefix: str) -> str:
+def upload_folder(raw_client, folder: Path, bucket: str, prefix: str, complete: bool = True) -> str:
     """Every file under `folder` to s3://bucket/prefix/ with the plain minio client (as a user's own tool
-    would: no fedpipe metadata); returns the URL."""
+    would: no fedpipe metadata), then, with `complete`, an empty `_SUCCESS` as an exporter marks a finished
+    drop (what `latest` waits for); returns the URL."""
     if not raw_client.bucket_exists(bucket):
         raw_client.make_bucket(bucket)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         data = path.read_bytes()
         raw_client.put_object(bucket, f"{prefix}/{path.relative_to(folder).as_posix()}", io.BytesIO(data), len(data))
+    if complete:
+        raw_client.put_object(bucket, f"{prefix}/_SUCCESS", io.BytesIO(b""), 0)
     return f"s3://{bucket}/{prefix}"

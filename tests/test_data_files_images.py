@@ -325,7 +325,7 @@ def test_latest_is_the_newest_sub_folder_by_name(tmp_path, caplog):
     assert bundle.snapshot["source"] == str(drops / "2026-02-01")  # the run records the drop it read
 
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="has none"):
+    with pytest.raises(DataError, match="has no sub-folder named as a drop"):
         open_source(str(tmp_path / "empty" / "latest"))
     with pytest.raises(DataError, match=f"{tmp_path / 'missing'} does not exist"):
         open_source(str(tmp_path / "missing"))
@@ -388,6 +388,7 @@ def test_s3_gives_the_same_arrays_as_the_folder(data_root, raw_client):
     write_digits(newer, {"hospital-b": CLIENTS["hospital-b"]})
     shutil.copy(root / MANIFEST_NAME, newer / MANIFEST_NAME)
     upload(raw_client, newer, "fed-data", "drops/2026-02-01")
+    raw_client.put_object("fed-data", "drops/2026-02-01/_SUCCESS", io.BytesIO(b""), 0)  # the upload is complete
     assert open_source("s3://fed-data/drops/latest").url() == "s3://fed-data/drops/2026-02-01"
     bundle = load_files("s3://fed-data/drops/latest")
     assert bundle.client_names == ("hospital-b",) and bundle.snapshot["source"] == "s3://fed-data/drops/2026-02-01"

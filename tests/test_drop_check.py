@@ -69,13 +69,14 @@ def test_a_new_client_below_its_floor_stops_a_promotion():
 def test_drops_without_a_manifest_read_the_drops_root_and_the_root_is_in_the_snapshot(tmp_path):
     root = tmp_path / "drops"
     drop = write_digit_folders(root / "2026-01-01", limit=120)
+    (drop / "_SUCCESS").write_text("")  # the drop's upload is complete
     with pytest.raises(DataError, match="--root"):
         load_files(str(root / "latest"))
     manifest = "format: fedpipe-data\nversion: 1\nsource: {layout: image_folders, channels: 1}\nlabels: [" + \
         ", ".join(f"'{d}'" for d in range(10)) + "]\n"
     (root / "fedpipe-data.yaml").write_text(manifest)
     bundle = load_files(str(root / "latest"))
-    assert bundle.snapshot["source"] == str(drop) and len(bundle.train) == 120
+    assert bundle.snapshot["source"] == str(drop) and len(bundle.train) == 120 and bundle.snapshot["objects"] == 122  # 120 images, _SUCCESS, the root's manifest
     before = current_snapshot(str(root / "latest"))
     assert before["digest"] == bundle.snapshot["digest"]
     (root / "fedpipe-data.yaml").write_text(manifest.replace("channels: 1", "channels: 3"))  # the shared layout changed

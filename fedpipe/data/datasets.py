@@ -36,9 +36,11 @@ import hashlib
 import io
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
@@ -48,6 +50,7 @@ from fedpipe.data import DatasetBundle, LabeledArrays, is_text_shape
 from fedpipe.data.safe_pickle import load_cifar_pickle
 from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
+from fedpipe.store.source import ISO_DATE_DROPS, DropPolicy
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,16 @@ class DataConfig(Section):
     (s3://bucket/drops/latest) means the newest sub-prefix by name, so a recurring run reads the newest
     drop; the run records which one it read."""
 
+    drop_pattern: str = Field(ISO_DATE_DROPS, min_length=1, max_length=200)
+    """With a data.source ending in /latest: what a drop's folder name looks like (a regular expression
+    matched against the whole name; ISO dates by default: 2026-11-25, 2026-11-25T03-00Z). Other sub-folders
+    are never picked, so a stray `zz-...` folder cannot pin `latest`."""
+
+    drop_complete: Literal["auto", "success_file", "manifest_last", "none"] = "auto"
+    """With /latest: how a drop shows its upload is finished: success_file (a `_SUCCESS` file in it),
+    manifest_last (its own fedpipe-data.yaml written after its data), auto (either), none (any drop; only
+    where drops are moved into place in one atomic step). An incomplete newer drop is skipped, with a warning."""
+
     image_size: int | None = Field(None, ge=4, le=1024)
     """With dataset=files: the side every image is resized to (bilinear), in pixels. None: the images'
     own size, which must then be the same for all of them."""
@@ -134,6 +147,19 @@ class DataConfig(Section):
         if isinstance(value, str) and not value.startswith("s3://"):
             return Path(value)
         return value
+
+    @field_validator("drop_pattern")
+    @classmethod
+    def _a_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"data.drop_pattern {value!r} is not a regular expression ({exc})") from None
+        return value
+
+    def drop_policy(self) -> DropPolicy:
+        """How `latest` picks a drop (`fedpipe.store.source.DropPolicy`)."""
+        return DropPolicy(self.drop_pattern, self.drop_complete)
 
     @field_validator("source")
     @classmethod

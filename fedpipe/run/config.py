@@ -111,8 +111,9 @@ class RunConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes results (not where they go or how progress is shown)."""
+        # the drop policy only picks the drop, and the drop read is in data.source and data.snapshot
         d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"},
-                                                 "registry": True})
+                                                 "registry": True, "data": {"drop_pattern", "drop_complete"}})
         # fields added later count only when set, so a config that does not use them keeps its run id
         for section, key, unset in LATER_FIELDS:
             if d[section].get(key, unset) == unset:
@@ -166,7 +167,7 @@ def with_data_snapshot(cfg: RunConfig) -> RunConfig:
         return cfg
     from fedpipe.data.files import current_snapshot
 
-    snap = current_snapshot(cfg.data.source)
+    snap = current_snapshot(cfg.data.source, cfg.data.drop_policy())
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": snap["source"], "snapshot": snap["digest"]})})
 
 

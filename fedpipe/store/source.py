@@ -12,20 +12,27 @@ there is no recorded sha256 to check. What makes them safe to read instead:
   refuses bytes whose version is not the listed one, so data that changes between the snapshot a run
   recorded and the moment it is read is an error, not a silent mix of old and new.
 
-`open_source(url)` resolves a final `latest` path segment to the newest sub-prefix by name
+`open_source(url)` resolves a final `latest` path segment to the newest complete drop under it
 (`s3://bucket/drops/latest` -> `s3://bucket/drops/2026-11-25`), so a recurring run picks up the newest drop.
+Only drops that can be trusted to be whole and to be drops are candidates (`DropPolicy`): a real folder or
+prefix inside the root (a symbolic link is never followed out of it), whose name matches the drop pattern
+(ISO dates by default: a `zz-...` or `~provider` name cannot pin `latest` forever), and that is complete: it
+holds a `_SUCCESS` marker, or its own manifest was written after every other file (a half-uploaded drop
+is skipped, with a warning naming it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import re
 import logging
 import os
 import secrets
 import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
 
@@ -36,12 +43,15 @@ from fedpipe.errors import DataError, StoreError
 from fedpipe.store.base import validate_key
 from fedpipe.store.s3 import ENV_ACCESS_KEY, ENV_ENDPOINT, ENV_SECRET_KEY, S3Store
 
-__all__ = ["LATEST", "MAX_SOURCE_OBJECTS", "DataSource", "FolderSource", "S3Source", "SourceObject", "open_source"]
+__all__ = ["LATEST", "MAX_SOURCE_OBJECTS", "DataSource", "DropPolicy", "FolderSource", "S3Source", "SourceObject", "open_source"]
 
 log = logging.getLogger(__name__)
 
 MAX_SOURCE_OBJECTS = 10_000_000  # files in one source: 10 million small images is far above real use
 LATEST = "latest"
+ISO_DATE_DROPS = r"\d{4}-\d{2}-\d{2}([T_.-][0-9A-Za-z:._-]{0,64})?"  # 2026-11-25, 2026-11-25T03-00Z, 2026-11-25_2
+SUCCESS_MARKER = "_SUCCESS"  # what Spark, Hadoop and many exporters write last into a finished output
+DROP_MANIFEST = "fedpipe-data.yaml"  # `fedpipe.data.files.manifest.MANIFEST_NAME` (the data layer reads it)
 _CHUNK = 2**20  # bytes hashed or fetched at a time
 _MISSING_S3 = ("NoSuchKey", "NoSuchObject", "NotFound", "ResourceNotFound")
 _HOW_TO_POINT = ("Set data.source to the folder or s3://bucket/prefix that holds the clients' files "
@@ -123,17 +133,52 @@ def _write_key(key: str) -> str:
         raise DataError(str(exc).replace("Artifact key", "Data file name", 1)) from None
 
 
-def _newest(children: list[str], parent: str) -> str:
-    """The newest of a parent's sub-folder names (string order), logged; a DataError when there is none."""
-    if not children:
-        raise DataError(
-            f"{parent}/{LATEST} asks for the newest sub-folder of {parent}, but it has none. Put each data drop "
-            f"in its own sub-folder named so that the newest sorts last (2026-11-25, 2026-12-01, ...), or set "
-            f"data.source to the drop itself."
-        )
-    chosen = max(children)
-    log.info("%s/%s is %s (the newest by name of %d sub-folders).", parent, LATEST, chosen, len(children))
-    return chosen
+@dataclass(frozen=True)
+class DropPolicy:
+    """Which sub-folders of a drops root `latest` may pick (`data.drop_pattern`, `data.drop_complete`)."""
+
+    pattern: str = ISO_DATE_DROPS
+    """A drop's name, matched whole; the newest is the last in string order (ISO dates sort in time)."""
+    complete: str = "auto"
+    """How a drop shows it is whole: `success_file` (a `_SUCCESS` file in it), `manifest_last` (its own
+    fedpipe-data.yaml written after every other file), `auto` (either), `none` (trust any drop: only for
+    drops moved into place in one atomic step)."""
+
+    def matches(self, name: str) -> bool:
+        return len(name) <= 255 and re.fullmatch(self.pattern, name) is not None
+
+
+def _newest(children: list[str], parent: str, policy: DropPolicy, complete) -> str:
+    """The newest drop name under `parent` that matches the policy's pattern and is `complete(name)`, logged; a
+    DataError when there is none, naming what was passed over and why."""
+    drops = sorted((c for c in children if policy.matches(c)), reverse=True)
+    other = sorted(set(children) - set(drops))
+    if other:
+        log.info("%s/%s: %d sub-folder(s) whose names are not drops were passed over (%s).", parent, LATEST, len(other),
+                 ", ".join(other[:5]) + (" ..." if len(other) > 5 else ""))
+    incomplete = []
+    for name in drops:
+        if policy.complete == "none" or complete(name):
+            if incomplete:
+                log.warning("%s/%s: newer drop(s) %s are not complete (no %s, and no %s written after the data): "
+                            "skipped until they are.", parent, LATEST, ", ".join(incomplete[:5]), SUCCESS_MARKER, DROP_MANIFEST)
+            log.info("%s/%s is %s (the newest complete drop of %d).", parent, LATEST, name, len(drops))
+            return name
+        incomplete.append(name)
+    why = (f"none of its {len(drops)} drop(s) is complete ({', '.join(incomplete[:5])}: write {SUCCESS_MARKER} into a drop "
+           f"once its upload has finished, or its {DROP_MANIFEST} last)" if drops else
+           f"it has no sub-folder named as a drop (the pattern {policy.pattern!r}, ISO dates by default: 2026-11-25, "
+           f"2026-12-01, ...){'; found ' + ', '.join(other[:5]) if other else ''}")
+    raise DataError(f"{parent}/{LATEST} asks for the newest complete drop under {parent}, but {why}. Or set data.source to "
+                    "the drop itself.")
+
+
+def _complete_by(policy: DropPolicy, marker: bool, manifest_last) -> bool:
+    """Whether a drop is complete under `policy`, given whether it holds the marker and a function telling
+    whether its own manifest was written after everything else."""
+    if policy.complete in ("auto", "success_file") and marker:
+        return True
+    return policy.complete in ("auto", "manifest_last") and manifest_last()
 
 
 class FolderSource(DataSource):
@@ -156,8 +201,24 @@ class FolderSource(DataSource):
             raise DataError(f"The data folder {self.root} {what}. {_HOW_TO_POINT}")
 
     def children(self) -> list[str]:
-        """The names of the root's immediate, non-hidden sub-folders (`latest` itself excluded)."""
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != LATEST)
+        """The names of the root's immediate, non-hidden sub-folders (`latest` itself excluded); a symbolic
+        link is never one, wherever it points (a drop is a real folder inside the root)."""
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != LATEST)
+
+    def complete(self, name: str, policy: DropPolicy) -> bool:
+        """Whether the drop `name` under this root is whole (`DropPolicy.complete`)."""
+        drop = self.root / name
+
+        def manifest_last() -> bool:
+            manifest = drop / DROP_MANIFEST
+            if not manifest.is_file() or manifest.is_symlink():
+                return False
+            written = manifest.stat().st_mtime
+            return all(p.stat().st_mtime <= written for p in drop.rglob("*") if p.is_file() and not p.is_symlink())
+
+        marker = drop / SUCCESS_MARKER
+        return _complete_by(policy, marker.is_file() and not marker.is_symlink(), manifest_last)
 
     def _path(self, key: str) -> Path:
         """The file of `key`, refused when it would lie outside the root (a '..', an absolute path, a link)."""
@@ -309,6 +370,23 @@ class S3Source(DataSource):
 
         return sorted(n for n in self._call(f"listing {self.url()}", names) if n and not n.startswith(".") and n != LATEST)
 
+    def complete(self, name: str, policy: DropPolicy) -> bool:
+        """Whether the drop `name` under this prefix is whole (`DropPolicy.complete`)."""
+        drop = S3Source(self.bucket, "/".join(p for p in (self.prefix, name) if p))
+
+        def manifest_last() -> bool:
+            times: dict[str, datetime] = {}
+
+            def stamps() -> None:
+                for o in drop._client.list_objects(drop.bucket, prefix=drop._base, recursive=True):
+                    if not o.is_dir and o.last_modified is not None:
+                        times[o.object_name[len(drop._base):]] = o.last_modified
+
+            drop._call(f"listing {drop.url()}", stamps)
+            return DROP_MANIFEST in times and all(t <= times[DROP_MANIFEST] for t in times.values())
+
+        return _complete_by(policy, drop.stat(SUCCESS_MARKER) is not None, manifest_last)
+
     def list(self) -> list[SourceObject]:
         def objects() -> list[SourceObject]:
             out = []
@@ -407,31 +485,32 @@ class S3Source(DataSource):
         return self.url(key)
 
 
-def _open_folder(path: str) -> FolderSource:
+def _open_folder(path: str, policy: DropPolicy) -> FolderSource:
     root = Path(path).expanduser()
     if root.name == LATEST:
         parent = FolderSource(root.parent)
         parent.require()
-        root = Path(parent.url(_newest(parent.children(), parent.url())))
+        root = Path(parent.url(_newest(parent.children(), parent.url(), policy, lambda n: parent.complete(n, policy))))
     source = FolderSource(root)
     source.require()
     return source
 
 
-def _open_s3(bucket: str, prefix: str) -> S3Source:
+def _open_s3(bucket: str, prefix: str, policy: DropPolicy) -> S3Source:
     parts = [p for p in prefix.split("/") if p]
     if parts and parts[-1] == LATEST:
         parent = S3Source(bucket, "/".join(parts[:-1]))
-        parts[-1] = _newest(parent.children(), parent.url())
+        parts[-1] = _newest(parent.children(), parent.url(), policy, lambda n: parent.complete(n, policy))
     source = S3Source(bucket, "/".join(parts))
     source.require()
     return source
 
 
-def open_source(url: str) -> DataSource:
+def open_source(url: str, policy: DropPolicy | None = None) -> DataSource:
     """The source `url` names: a folder path, or s3://bucket/prefix; a final `/latest` segment is resolved
-    to the newest sub-prefix (folder) by name. A DataError when the source does not exist or is empty.
-    The source's `url()` is the resolved location (the dated drop a run read)."""
+    to the newest complete drop under it (`policy`, default `DropPolicy()`). A DataError when the source does
+    not exist or is empty. The source's `url()` is the resolved location (the dated drop a run read)."""
+    policy = policy or DropPolicy()
     if not isinstance(url, str) or not url.strip():
         raise DataError(f"No data source given. {_HOW_TO_POINT}")
     url = url.strip()
@@ -441,16 +520,16 @@ def open_source(url: str) -> DataSource:
     except ValueError as exc:
         raise DataError(str(exc)) from None
     if "://" not in url:
-        return _open_folder(url)
+        return _open_folder(url, policy)
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
     if scheme == "file":
         if parsed.netloc not in ("", "localhost") or not parsed.path:
             raise DataError(f"The data source {url!r} is not a local file URL: write file:///absolute/path or a plain path.")
-        return _open_folder(unquote(parsed.path))
+        return _open_folder(unquote(parsed.path), policy)
     if scheme == "s3":
         if not parsed.netloc:
             raise DataError(f"The data source {url!r} has no bucket: write s3://bucket/prefix.")
-        return _open_s3(parsed.netloc, parsed.path.strip("/"))
+        return _open_s3(parsed.netloc, parsed.path.strip("/"), policy)
     raise DataError(f"The data source {url!r} uses the unsupported scheme {parsed.scheme!r}: use a folder path, "
                     "file:///path, or s3://bucket/prefix (MinIO or any S3-compatible server).")

@@ -27,7 +27,7 @@ from fedpipe.data.files.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, DataM
 from fedpipe.data.files.rows import ClientRows, Problems
 from fedpipe.errors import ConfigError, DataError
 from fedpipe.safe_load import parse_yaml
-from fedpipe.store.source import DataSource, SourceObject, open_source
+from fedpipe.store.source import DataSource, DropPolicy, SourceObject, open_source
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,10 @@ def snapshot_of(source: DataSource, objects: list[SourceObject]) -> dict:
             "bytes": int(sum(o.size for o in listed))}
 
 
-def current_snapshot(url: str) -> dict:
-    """The snapshot of what is under `url` now, from a listing alone (`latest` resolved: its "source" is
-    the dated prefix actually read)."""
-    source = open_source(url)
+def current_snapshot(url: str, policy: DropPolicy | None = None) -> dict:
+    """The snapshot of what is under `url` now, from a listing alone (`latest` resolved by `policy`: its
+    "source" is the dated prefix actually read)."""
+    source = open_source(url, policy)
     return snapshot_of(source, source.list())
 
 

@@ -21,7 +21,7 @@ from fedpipe.data.files.manifest import IMAGE_EXTENSIONS, MANIFEST_NAME, DataMan
 from fedpipe.data.files.rows import ClientRows, Problems
 from fedpipe.data.identity import identity_of
 from fedpipe.errors import DataError
-from fedpipe.store.source import DataSource, SourceObject
+from fedpipe.store.source import SUCCESS_MARKER, DataSource, SourceObject
 
 __all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "ImageStack", "decode_image", "read_image_folders"]
 
@@ -130,7 +130,7 @@ def _select(source: DataSource, objects: list[SourceObject], manifest: DataManif
     index = {name: i for i, name in enumerate(manifest.labels)}
     chosen, unknown = [], {}
     for obj in objects:
-        if obj.key == MANIFEST_NAME:
+        if obj.key in (MANIFEST_NAME, SUCCESS_MARKER):
             continue
         parts = obj.key.split("/")
         if PurePosixPath(obj.key).suffix.lower() not in IMAGE_EXTENSIONS:
