@@ -19,7 +19,8 @@ from sklearn.datasets import load_breast_cancer
 from fedpipe.data.files import tables
 from fedpipe.data.files.manifest import DataManifest, TableLayout
 from fedpipe.data.files.rows import ClientRows, Problems
-from fedpipe.data.files.tables import infer_table_manifest, read_table
+from fedpipe.data.files.table_manifest import infer_table_manifest
+from fedpipe.data.files.tables import read_table
 from fedpipe.data.text import TEXT_MAX_LENGTH as AGNEWS_MAX_LENGTH
 from fedpipe.data.text import TEXT_VOCAB_SIZE as AGNEWS_VOCAB_SIZE
 from fedpipe.data.text import build_vocabulary, encode, tokenize

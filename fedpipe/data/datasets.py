@@ -47,6 +47,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fedpipe.config import MAX_URL_CHARS, Section, refuse_url_credentials
 from fedpipe.data import DatasetBundle, LabeledArrays, is_text_shape
+from fedpipe.data.files.rows import DEFAULT_DECODED_MB
 from fedpipe.data.safe_pickle import load_cifar_pickle
 from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
@@ -123,6 +124,11 @@ class DataConfig(Section):
     """With /latest: how a drop shows its upload is finished: success_file (a `_SUCCESS` file in it),
     manifest_last (its own fedpipe-data.yaml written after its data), auto (either), none (any drop; only
     where drops are moved into place in one atomic step). An incomplete newer drop is skipped, with a warning."""
+
+    max_decoded_mb: int = Field(DEFAULT_DECODED_MB, ge=1, le=2**24)
+    """With dataset=files: the most memory, in MB, the whole drop may take once decoded (images as pixels,
+    table values after dictionary expansion). A drop past it is refused naming the file that crossed it:
+    bounds per file alone let a few small, highly compressible files claim gigabytes."""
 
     image_size: int | None = Field(None, ge=4, le=1024)
     """With dataset=files: the side every image is resized to (bilinear), in pixels. None: the images'
@@ -206,7 +212,7 @@ def load_dataset(cfg: DataConfig) -> DatasetBundle:
     if cfg.dataset == FILES:
         from fedpipe.data.files import load_files
 
-        return load_files(cfg.source, cfg.image_size, cfg.snapshot)
+        return load_files(cfg.source, cfg.image_size, cfg.snapshot, cfg.max_decoded_mb)
     info = DATASETS[cfg.dataset]
     root = data_root(cfg)
     if _is_url(root) and not info.reads_urls:

@@ -30,8 +30,8 @@ from pydantic import ValidationError
 from fedpipe.config import format_validation_error, refuse_url_credentials
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
-from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export_run
 from fedpipe.models.drop_check import EVALUATION_FILE
+from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export_run
 from fedpipe.models.gate import decide, settings_of
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.run.report import model_line_markdown

@@ -111,9 +111,10 @@ class RunConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that changes results (not where they go or how progress is shown)."""
-        # the drop policy only picks the drop, and the drop read is in data.source and data.snapshot
+        # the drop policy only picks the drop (the drop read is in data.source and data.snapshot); the decoding
+        # budget only bounds memory
         d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"},
-                                                 "registry": True, "data": {"drop_pattern", "drop_complete"}})
+                                                 "registry": True, "data": {"drop_pattern", "drop_complete", "max_decoded_mb"}})
         # fields added later count only when set, so a config that does not use them keeps its run id
         for section, key, unset in LATER_FIELDS:
             if d[section].get(key, unset) == unset:

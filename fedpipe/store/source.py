@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import io
-import re
 import logging
 import os
+import re
 import secrets
 import stat
 from abc import ABC, abstractmethod
@@ -206,20 +206,6 @@ class FolderSource(DataSource):
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != LATEST)
 
-    def complete(self, name: str, policy: DropPolicy) -> bool:
-        """Whether the drop `name` under this root is whole (`DropPolicy.complete`)."""
-        drop = self.root / name
-
-        def manifest_last() -> bool:
-            manifest = drop / DROP_MANIFEST
-            if not manifest.is_file() or manifest.is_symlink():
-                return False
-            written = manifest.stat().st_mtime
-            return all(p.stat().st_mtime <= written for p in drop.rglob("*") if p.is_file() and not p.is_symlink())
-
-        marker = drop / SUCCESS_MARKER
-        return _complete_by(policy, marker.is_file() and not marker.is_symlink(), manifest_last)
-
     def _path(self, key: str) -> Path:
         """The file of `key`, refused when it would lie outside the root (a '..', an absolute path, a link)."""
         parts = PurePosixPath(key).parts
@@ -370,23 +356,6 @@ class S3Source(DataSource):
 
         return sorted(n for n in self._call(f"listing {self.url()}", names) if n and not n.startswith(".") and n != LATEST)
 
-    def complete(self, name: str, policy: DropPolicy) -> bool:
-        """Whether the drop `name` under this prefix is whole (`DropPolicy.complete`)."""
-        drop = S3Source(self.bucket, "/".join(p for p in (self.prefix, name) if p))
-
-        def manifest_last() -> bool:
-            times: dict[str, datetime] = {}
-
-            def stamps() -> None:
-                for o in drop._client.list_objects(drop.bucket, prefix=drop._base, recursive=True):
-                    if not o.is_dir and o.last_modified is not None:
-                        times[o.object_name[len(drop._base):]] = o.last_modified
-
-            drop._call(f"listing {drop.url()}", stamps)
-            return DROP_MANIFEST in times and all(t <= times[DROP_MANIFEST] for t in times.values())
-
-        return _complete_by(policy, drop.stat(SUCCESS_MARKER) is not None, manifest_last)
-
     def list(self) -> list[SourceObject]:
         def objects() -> list[SourceObject]:
             out = []
@@ -485,12 +454,45 @@ class S3Source(DataSource):
         return self.url(key)
 
 
+def _folder_drop_complete(parent: FolderSource, name: str, policy: DropPolicy) -> bool:
+    """Whether the drop `name` under a folder is whole (`DropPolicy.complete`)."""
+    drop = parent.root / name
+
+    def manifest_last() -> bool:
+        manifest = drop / DROP_MANIFEST
+        if not manifest.is_file() or manifest.is_symlink():
+            return False
+        written = manifest.stat().st_mtime
+        return all(p.stat().st_mtime <= written for p in drop.rglob("*") if p.is_file() and not p.is_symlink())
+
+    marker = drop / SUCCESS_MARKER
+    return _complete_by(policy, marker.is_file() and not marker.is_symlink(), manifest_last)
+
+
+def _s3_drop_complete(parent: S3Source, name: str, policy: DropPolicy) -> bool:
+    """Whether the drop `name` under an S3 prefix is whole (`DropPolicy.complete`)."""
+    drop = S3Source(parent.bucket, "/".join(p for p in (parent.prefix, name) if p))
+
+    def manifest_last() -> bool:
+        times: dict[str, datetime] = {}
+
+        def stamps() -> None:
+            for o in drop._client.list_objects(drop.bucket, prefix=drop._base, recursive=True):
+                if not o.is_dir and o.last_modified is not None:
+                    times[o.object_name[len(drop._base):]] = o.last_modified
+
+        drop._call(f"listing {drop.url()}", stamps)
+        return DROP_MANIFEST in times and all(t <= times[DROP_MANIFEST] for t in times.values())
+
+    return _complete_by(policy, drop.stat(SUCCESS_MARKER) is not None, manifest_last)
+
+
 def _open_folder(path: str, policy: DropPolicy) -> FolderSource:
     root = Path(path).expanduser()
     if root.name == LATEST:
         parent = FolderSource(root.parent)
         parent.require()
-        root = Path(parent.url(_newest(parent.children(), parent.url(), policy, lambda n: parent.complete(n, policy))))
+        root = Path(parent.url(_newest(parent.children(), parent.url(), policy, lambda n: _folder_drop_complete(parent, n, policy))))
     source = FolderSource(root)
     source.require()
     return source
@@ -500,7 +502,7 @@ def _open_s3(bucket: str, prefix: str, policy: DropPolicy) -> S3Source:
     parts = [p for p in prefix.split("/") if p]
     if parts and parts[-1] == LATEST:
         parent = S3Source(bucket, "/".join(parts[:-1]))
-        parts[-1] = _newest(parent.children(), parent.url(), policy, lambda n: parent.complete(n, policy))
+        parts[-1] = _newest(parent.children(), parent.url(), policy, lambda n: _s3_drop_complete(parent, n, policy))
     source = S3Source(bucket, "/".join(parts))
     source.require()
     return source

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from fedpipe.config import format_validation_error
 from fedpipe.data import DatasetBundle, LabeledArrays
 from fedpipe.data.files.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, DataManifest
-from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.data.files.rows import DEFAULT_DECODED_MB, ClientRows, DecodeBudget, Problems
 from fedpipe.errors import ConfigError, DataError
 from fedpipe.safe_load import parse_yaml
 from fedpipe.store.source import DataSource, DropPolicy, SourceObject, open_source
@@ -106,8 +106,9 @@ def current_snapshot(url: str, policy: DropPolicy | None = None) -> dict:
     return snapshot_of(source, source.list())
 
 
-def check_files(url: str, image_size: int | None = None) -> DataCheck:
-    """Read the source as a run would and return every problem found instead of raising on the first."""
+def check_files(url: str, image_size: int | None = None, max_decoded_mb: int = DEFAULT_DECODED_MB) -> DataCheck:
+    """Read the source as a run would and return every problem found instead of raising on the first; the
+    drop may take at most `max_decoded_mb` decoded (`rows.DecodeBudget`)."""
     source = open_source(url)
     objects = source.list()
     problems = Problems()
@@ -119,17 +120,18 @@ def check_files(url: str, image_size: int | None = None) -> DataCheck:
     from fedpipe.data.files import images, tables
 
     reader = images.read_image_folders if manifest.source.layout == "image_folders" else tables.read_table
-    rows, read = reader(source, objects, manifest, image_size, problems)
+    rows, read = reader(source, objects, manifest, image_size, problems, DecodeBudget(max_decoded_mb))
     if rows is not None:
         _check_rows(rows, problems)
     return DataCheck(source.url(), manifest, rows, snapshot_of(source, objects), problems, len(read))
 
 
-def load_files(url: str, image_size: int | None = None, expected_snapshot: str | None = None) -> DatasetBundle:
+def load_files(url: str, image_size: int | None = None, expected_snapshot: str | None = None,
+               max_decoded_mb: int = DEFAULT_DECODED_MB) -> DatasetBundle:
     """The bundle of a user's federated data; a DataError listing every error found (nothing is written
     before a run has its data). `expected_snapshot`: the digest the run recorded; data that changed since
     is an error, not a silent mix."""
-    check = check_files(url, image_size)
+    check = check_files(url, image_size, max_decoded_mb)
     check.problems.raise_if_errors(check.source)
     rows, manifest, snapshot = check.rows, check.manifest, check.snapshot
     assert rows is not None and manifest is not None and snapshot is not None

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from fedpipe.data.files.manifest import IMAGE_EXTENSIONS, MANIFEST_NAME, DataManifest
-from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.data.files.rows import ClientRows, DecodeBudget, Problems
 from fedpipe.data.identity import identity_of
 from fedpipe.errors import DataError
 from fedpipe.store.source import SUCCESS_MARKER, DataSource, SourceObject
@@ -59,7 +59,8 @@ def _open(data: bytes, where: str, problems: Problems) -> Image.Image | None:
     return img
 
 
-def decode_image(data: bytes, where: str, channels: int, image_size: int | None, problems: Problems) -> np.ndarray | None:
+def decode_image(data: bytes, where: str, channels: int, image_size: int | None, problems: Problems,
+                 budget: DecodeBudget | None = None) -> np.ndarray | None:
     """The uint8 array (C, H, W) of a PNG or JPEG file's bytes, converted to `channels` (1: grayscale, 3: RGB)
     and resized (bilinear) to image_size x image_size when given; None, with an error in `problems` naming
     `where`, when it cannot be decoded. Without image_size the image keeps its own size: `ImageStack` checks
@@ -67,6 +68,10 @@ def decode_image(data: bytes, where: str, channels: int, image_size: int | None,
     img = _open(data, where, problems)
     if img is None:
         return None
+    if budget is not None:  # decoding it at its own size must fit what the drop has left (checked, not kept)
+        full = img.size[0] * img.size[1] * max(channels, len(img.getbands()))
+        if full > budget.limit - budget.used and not budget.charge(full, where, "this image, decoded at its own size,", problems):
+            return None
     try:
         img.load()  # a truncated or corrupt file raises here
         img = ImageOps.exif_transpose(img)  # a photo's orientation tag, applied as a viewer would
@@ -86,20 +91,22 @@ class ImageStack:
     """Decoded images in one preallocated uint8 array [n, C, H, W] (grown by doubling when `capacity` was too
     small). Without image_size the first image fixes the size; a differing one is an error naming it."""
 
-    def __init__(self, channels: int, image_size: int | None, capacity: int = 1024):
+    def __init__(self, channels: int, image_size: int | None, capacity: int = 1024, budget: DecodeBudget | None = None):
         self.channels, self.image_size = channels, image_size
         self.capacity = max(1, int(capacity))
+        self.budget = budget if budget is not None else DecodeBudget()
         self.count = 0
         self._x: np.ndarray | None = None
         self._first = ""  # where the image that fixed the size came from
 
     def add(self, data: bytes, where: str, problems: Problems) -> bool:
         """Decode `data` into the next row; False (an error recorded) when it cannot be used."""
-        img = decode_image(data, where, self.channels, self.image_size, problems)
-        if img is None:
+        img = decode_image(data, where, self.channels, self.image_size, problems, self.budget)
+        if img is None or not self.budget.charge(img.nbytes, where, "this image", problems):
             return False
-        if self._x is None:
-            self._x = np.empty((self.capacity, *img.shape), dtype=np.uint8)
+        if self._x is None:  # room for the images to come, never more than the budget lets them take
+            room = (self.budget.limit - self.budget.used) // img.nbytes + 1
+            self._x = np.empty((max(1, min(self.capacity, room)), *img.shape), dtype=np.uint8)
             self._first = where
         elif img.shape != self._x.shape[1:]:
             (h, w), (ch, cw) = img.shape[1:], self._x.shape[2:]
@@ -108,7 +115,8 @@ class ImageStack:
                            "or resize the files")
             return False
         if self.count == len(self._x):
-            grown = np.empty((2 * len(self._x), *self._x.shape[1:]), dtype=np.uint8)
+            room = (self.budget.limit - self.budget.used) // img.nbytes + 1  # charged already: never past the budget
+            grown = np.empty((self.count + max(1, min(self.count, room)), *self._x.shape[1:]), dtype=np.uint8)
             grown[: self.count] = self._x
             self._x = grown
         self._x[self.count] = img
@@ -150,20 +158,22 @@ def _select(source: DataSource, objects: list[SourceObject], manifest: DataManif
 
 
 def read_image_folders(source: DataSource, objects: list[SourceObject], manifest: DataManifest, image_size: int | None,
-                       problems: Problems) -> tuple[ClientRows | None, list[SourceObject]]:
+                       problems: Problems, budget: DecodeBudget | None = None) -> tuple[ClientRows | None, list[SourceObject]]:
     """The rows of `<client>/<label>/<image>` files and the objects they came from; every problem recorded."""
     from tqdm import tqdm
 
     chosen = _select(source, objects, manifest, problems)
     client_names = sorted({client for _, client, _ in chosen})
     client_index = {name: i for i, name in enumerate(client_names)}
-    stack = ImageStack(manifest.source.channels, image_size, len(chosen))
+    stack = ImageStack(manifest.source.channels, image_size, len(chosen), budget)
     y = np.empty(len(chosen), dtype=np.int64)
     clients = np.empty(len(chosen), dtype=np.int64)
     used: list[SourceObject] = []
     ids = np.empty(len(chosen), dtype=np.uint64)
     progress = tqdm(chosen, desc="reading images", unit="file", disable=None if len(chosen) > PROGRESS_FROM else True)
     for obj, client, label in progress:
+        if stack.budget.exhausted:
+            break
         where = source.url(obj.key)
         try:
             data = source.read(obj, MAX_IMAGE_BYTES)

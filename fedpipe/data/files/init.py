@@ -1,6 +1,6 @@
 """`fedpipe data init SOURCE`: look at a user's files and propose their manifest (`fedpipe-data.yaml`).
 
-Tables (.parquet or .csv files at the top of the source) are described by `tables.infer_table_manifest`;
+Tables (.parquet or .csv files at the top of the source) are described by `table_manifest.infer_table_manifest`;
 otherwise files laid out as `<client>/<label>/<image>` give the `image_folders` layout, with the label
 folders' names as the labels (in numeric order when every name is an integer) and one channel when every
 sampled image is grayscale. The manifest is written with a comment on every field, to be checked and
@@ -41,7 +41,7 @@ def init_manifest(url: str, client_column: str | None = None, label_column: str 
     objects = source.list()
     tables = [o for o in objects if "/" not in o.key and o.key.lower().endswith(TABLE_EXTENSIONS)]
     if tables:
-        from fedpipe.data.files.tables import infer_table_manifest
+        from fedpipe.data.files.table_manifest import infer_table_manifest
 
         manifest = infer_table_manifest(source, objects, client_column=client_column, label_column=label_column)
     else:

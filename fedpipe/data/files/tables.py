@@ -38,24 +38,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from fedpipe.data.files.manifest import TABLE_EXTENSIONS, DataManifest, TableLayout
-from fedpipe.data.files.rows import ClientRows, Problems
+from fedpipe.data.files.rows import ClientRows, DecodeBudget, Problems, shown
 from fedpipe.data.identity import identities
 from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
 from fedpipe.errors import DataError
 from fedpipe.store.source import DataSource, SourceObject
 
-__all__ = ["infer_table_manifest", "read_table"]
+__all__ = ["read_table"]
 
 MAX_TABLE_BYTES = 4 * 2**30  # one table file; its bytes are held while it is read
 MAX_IMAGE_BYTES = 64 * 2**20  # one image a path column names
 BATCH_ROWS = 65_536  # rows converted at a time (Parquet)
 CSV_BLOCK_BYTES = 1 << 22  # bytes of CSV parsed at a time
 MAX_ROW_PROBLEMS = 1_000  # problems of one kind listed per file; the rest are counted
-INFER_ROWS = 10_000  # rows `infer_table_manifest` looks at to tell the columns apart
 ROW_NOTE = "(rows count from 1; a CSV's header line is not counted)"
-CLIENT_NAMES = ("client", "site", "device", "user", "writer", "hospital", "branch")
-LABEL_NAMES = ("label", "labels", "target", "class", "y")
-TEXT_NAMES = ("text", "sentence", "review")
 _INTEGER = re.compile(r"[+-]?\d+")
 
 
@@ -72,20 +68,48 @@ class _Table:
     num_rows: int | None
     batches: Callable[[list[str], bool], Iterator[pa.RecordBatch]]
     typed: bool = True  # False for CSV: its values are read as text and parsed here, whatever was inferred
+    uncompressed: Callable[[list[str]], int] | None = None  # Parquet: the named columns' size once decompressed
+
+
+def _batch_bytes(batch: pa.RecordBatch) -> int:
+    """What a batch's values take once expanded: text and binary columns after dictionary decoding (measured on
+    the dictionary's value lengths, nothing expanded), 8 bytes per value of the others."""
+    total = 0
+    for col in batch.columns:
+        if _is_string(col.type) or _is_bytes(col.type):
+            if pa.types.is_dictionary(col.type):
+                lengths = pc.binary_length(col.dictionary).to_numpy(zero_copy_only=False)
+                indices = pc.fill_null(col.indices, 0).to_numpy(zero_copy_only=False)
+                total += int(lengths[indices].sum()) if len(lengths) else 0
+            else:
+                total += int(pc.sum(pc.binary_length(col)).as_py() or 0)
+        total += 8 * len(col)
+    return total
 
 
 def _open_table(data: bytes, key: str) -> _Table:
-    """Parse a table file's head: a Parquet footer, or a CSV header and first block (its types inferred)."""
+    """Parse a table file's head: a Parquet footer, or a CSV header and first block (its types inferred).
+    A Parquet file's text and binary columns are read dictionary-encoded, as they are stored, so what they
+    expand to is measured (`_batch_bytes`) before anything expands them."""
     if key.lower().endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        schema = pf.schema_arrow
+        schema = pq.ParquetFile(pa.BufferReader(data)).schema_arrow
+        texts = [f.name for f in schema if _is_string(f.type) or _is_bytes(f.type)]
+        pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=texts)
 
         def parquet_batches(columns: list[str], as_text: bool) -> Iterator[pa.RecordBatch]:
             yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
 
-        return _Table(list(schema.names), {f.name: f.type for f in schema}, pf.metadata.num_rows, parquet_batches)
+        meta = pf.metadata
+        needed = {n for n in schema.names}
+
+        def uncompressed(columns: list[str]) -> int:
+            wanted = set(columns) & needed
+            return sum(rg.column(j).total_uncompressed_size for rg in (meta.row_group(i) for i in range(meta.num_row_groups))
+                       for j in range(rg.num_columns) if rg.column(j).path_in_schema in wanted)
+
+        return _Table(list(schema.names), {f.name: f.type for f in schema}, meta.num_rows, parquet_batches, uncompressed=uncompressed)
     import pyarrow.csv as pcsv
 
     with pcsv.open_csv(pa.BufferReader(data)) as head:
@@ -146,6 +170,12 @@ def _is_scalar(t: pa.DataType) -> bool:
         t = t.value_type
     return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
             or pa.types.is_floating(t) or pa.types.is_boolean(t))
+
+
+def _is_bytes(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
 def _is_number(t: pa.DataType) -> bool:
@@ -224,9 +254,9 @@ class _Labels:
         return lut[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
 
     def expected(self) -> str:
-        shown = ", ".join(repr(x) for x in self.labels[:10]) + (", ..." if len(self.labels) > 10 else "")
+        names = ", ".join(repr(x) for x in self.labels[:10]) + (", ..." if len(self.labels) > 10 else "")
         also = f", or an index 0..{len(self.labels) - 1}" if self.by_position else ""
-        return f"the manifest's labels are {shown}{also}"
+        return f"the manifest's labels are {names}{also}"
 
 
 # --- problems per file -----------------------------------------------------------------------------
@@ -296,13 +326,13 @@ def _feature_batch(batch: pa.RecordBatch, features: tuple[str, ...], out: np.nda
             out[:, j] = values
         if not_number.any():
             report.rows("not a number", np.flatnonzero(not_number), offset,
-                        lambda r, c=col, n=name: f"column {n!r} holds {c[r].as_py()!r}, not a number")
+                        lambda r, c=col, n=name: f"column {n!r} holds {shown(c[r].as_py())}, not a number")
             out[not_number, j] = 0.0  # reported; not reported again as non-finite
     bad_rows, bad_cols = np.nonzero(~np.isfinite(out))
     for r, j in zip(bad_rows[:MAX_ROW_PROBLEMS].tolist(), bad_cols[:MAX_ROW_PROBLEMS].tolist(), strict=True):
         v = batch.column(features[j])[r].as_py()
-        shown = "missing" if v is None else f"{v!r}, not a finite float32"
-        report.rows("bad feature value", np.asarray([r]), offset, lambda _r, f=features[j], s=shown: f"feature {f!r} is {s}")
+        quoted = "missing" if v is None else f"{shown(v)}, not a finite float32"
+        report.rows("bad feature value", np.asarray([r]), offset, lambda _r, f=features[j], s=quoted: f"feature {f!r} is {s}")
     if len(bad_rows) > MAX_ROW_PROBLEMS:
         report.counts["bad feature value"] += len(bad_rows) - MAX_ROW_PROBLEMS
 
@@ -337,7 +367,7 @@ class _Images:
             return value
         obj = self.by_key.get(value.removeprefix("./"))
         if obj is None:
-            report.rows("missing image", row, offset, lambda _r: f"image {value!r} is not a file under the source "
+            report.rows("missing image", row, offset, lambda _r: f"image {shown(value)} is not a file under the source "
                         "(a path in an image column is relative to the source)")
             return None
         try:
@@ -403,8 +433,7 @@ def _identity_batch(batch: pa.RecordBatch, layout: TableLayout, out: np.ndarray)
     input values (as read: text, or an image column's bytes); never its label."""
     named = [layout.id_column] if layout.id_column else _inputs_of(layout)
     columns = [batch.column(layout.client_column), *(batch.column(c) for c in named)]
-    values = [col.to_pylist() if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)
-              else _text(col).to_pylist() for col in columns]
+    values = [col.to_pylist() if _is_bytes(col.type) else _text(col).to_pylist() for col in columns]
     out[:] = identities(tuple(b"" if v is None else v for v in row) for row in zip(*values, strict=True))
 
 
@@ -432,8 +461,9 @@ def _schema_problems(table: _Table, layout: TableLayout, report: _Report) -> boo
 
 
 def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, inputs: _Images | _Texts | None,
-               read: _Read, problems: Problems) -> None:
-    """Read one table file into `read` (its rows are added only when it had no error)."""
+               read: _Read, problems: Problems, budget: DecodeBudget) -> None:
+    """Read one table file into `read` (its rows are added only when it had no error), charging the budget
+    with what its columns take decoded before they are."""
     report = _Report(problems, source.url(obj.key))
     try:
         table = _open_table(source.read(obj, MAX_TABLE_BYTES), obj.key)
@@ -444,11 +474,19 @@ def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, input
     if _schema_problems(table, layout, report):
         return None
     n = table.num_rows
+    if table.uncompressed is not None and table.uncompressed(_required(layout)) > budget.limit - budget.used:
+        return budget.charge(table.uncompressed(_required(layout)), report.url, "its columns, decompressed,", problems) and None
+    row_bytes = 24 + 4 * len(layout.features)  # label, client and identity per row, and the features
+    if n is not None and not budget.charge(n * row_bytes, report.url, f"its {n:,} rows (as its metadata says)", problems):
+        return None
     x = _Parts(n, (len(layout.features),), np.float32) if layout.features else None
     y, c, ids = _Parts(n, (), np.int64), _Parts(n, (), np.int64), _Parts(n, (), np.uint64)
     offset = 0
     try:
         for batch in table.batches(_required(layout), True):
+            if not budget.charge(_batch_bytes(batch) + (len(batch) * row_bytes if n is None else 0), report.url,
+                                 f"rows {offset + 1:,} to {offset + len(batch):,}", problems):
+                return None
             _rows_batch(batch, layout, read, report, offset, y.take(len(batch)), c.take(len(batch)))
             _identity_batch(batch, layout, ids.take(len(batch)))
             if x is not None:
@@ -480,7 +518,7 @@ def _rows_batch(batch: pa.RecordBatch, layout: TableLayout, read: _Read, report:
     report.rows("missing label", np.flatnonzero(y == -2), offset,
                 lambda _r: f"label column {layout.label_column!r} is empty")
     report.rows("unknown label", np.flatnonzero(y == -1), offset,
-                lambda r: f"label {labels[r].as_py()!r} is not a label of the manifest; {read.labels.expected()}")
+                lambda r: f"label {shown(labels[r].as_py())} is not a label of the manifest; {read.labels.expected()}")
 
 
 def _where(urls: list[str], starts: list[int]) -> Callable[[int], str]:
@@ -495,7 +533,7 @@ def _where(urls: list[str], starts: list[int]) -> Callable[[int], str]:
 
 
 def read_table(source: DataSource, objects: list[SourceObject], manifest: DataManifest, image_size: int | None,
-               problems: Problems) -> tuple[ClientRows | None, list[SourceObject]]:
+               problems: Problems, budget: DecodeBudget | None = None) -> tuple[ClientRows | None, list[SourceObject]]:
     """Every row of the table files, or None when any error was found (each is in `problems`), and the
     objects read (table files, and the images a path column names)."""
     layout = manifest.source
@@ -508,8 +546,13 @@ def read_table(source: DataSource, objects: list[SourceObject], manifest: DataMa
     elif layout.text_column:
         inputs = _Texts(layout.text_column)
     read = _Read(_Names(), _Labels(manifest.labels), [], [], [], [], [], [])
+    budget = budget if budget is not None else DecodeBudget()
+    if isinstance(inputs, _Images):
+        inputs.stack.budget = budget
     for obj in files:
-        _read_file(source, obj, layout, inputs, read, problems)
+        if budget.exhausted:
+            break
+        _read_file(source, obj, layout, inputs, read, problems, budget)
     used = files + (list(inputs.used.values()) if isinstance(inputs, _Images) else [])
     where = _where(read.urls, read.starts)
     if len(problems.errors) > errors_before or not files:
@@ -533,89 +576,3 @@ def _join(parts: list[np.ndarray], empty: tuple[int, ...], dtype: type) -> np.nd
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.empty(empty, dtype=dtype)
-
-
-# --- proposing a manifest --------------------------------------------------------------------------
-
-
-def _pick(names: list[str], given: str | None, candidates: tuple[str, ...], what: str, flag: str) -> str:
-    """The column `given` names, else the first of `candidates` (case-insensitive); a DataError asking for `flag`."""
-    if given is not None:
-        if given not in names:
-            raise DataError(f"there is no column {given!r} to be the {what} column; the columns are "
-                            f"{', '.join(map(repr, names))}")
-        return given
-    lower = {n.lower(): n for n in reversed(names)}
-    for candidate in candidates:
-        if candidate in lower:
-            return lower[candidate]
-    raise DataError(f"no column is named as a {what} column usually is ({', '.join(candidates)}); say which one "
-                    f"it is with {flag} COLUMN. The columns are {', '.join(map(repr, names))}")
-
-
-def _inputs(table: _Table, sample: pa.Table, taken: set[str]) -> dict:
-    """The inputs the sample suggests: a text column, else an image column, else every numeric column."""
-    rest = [n for n in table.names if n not in taken]
-    for n in rest:
-        if _is_string(table.types[n]) and n.lower() in TEXT_NAMES:
-            return {"text_column": n}
-    for n in rest:
-        t = table.types[n]
-        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
-            return {"image_column": n}
-        if _is_string(t):
-            values = [v for v in _text(sample.column(n)).to_pylist() if v is not None]
-            if values and all(v.lower().endswith((".png", ".jpg", ".jpeg")) for v in values):
-                return {"image_column": n}
-    features = tuple(n for n in rest if _is_number(table.types[n]))
-    if not features:
-        raise DataError("no input column found: a table needs numeric feature columns, a text column (named "
-                        f"{', '.join(TEXT_NAMES)}) or an image column (paths or bytes); the columns are "
-                        f"{', '.join(map(repr, table.names))}")
-    return {"features": features}
-
-
-def _label_values(source: DataSource, files: list[SourceObject], column: str) -> tuple[str, ...]:
-    """Every distinct label text over all files (only that column is read), sorted (numerically when integers)."""
-    from fedpipe.data.files.manifest import MAX_LABELS
-
-    seen: set[str] = set()
-    for obj in files:
-        table = _open_table(source.read(obj, MAX_TABLE_BYTES), obj.key)
-        if column not in table.types:
-            raise DataError(f"{source.url(obj.key)} has no column {column!r}; every table file has the same columns")
-        for batch in table.batches([column], True):
-            seen.update(v for v in _text(batch.column(0)).dictionary_encode().dictionary.to_pylist() if v)
-            if len(seen) > MAX_LABELS:
-                raise DataError(f"column {column!r} has more than {MAX_LABELS} distinct values: is it the label column?")
-    if all(_INTEGER.fullmatch(v) for v in seen):
-        return tuple(sorted(seen, key=int))
-    return tuple(sorted(seen))
-
-
-def infer_table_manifest(source: DataSource, objects: list[SourceObject], client_column: str | None = None,
-                         label_column: str | None = None) -> DataManifest:
-    """A manifest for the table files under the source, proposed from the first file's columns and up to
-    INFER_ROWS of its rows, and the label values of every file; a DataError says what it could not tell."""
-    files = [o for o in objects if o.key.lower().endswith(TABLE_EXTENSIONS)]
-    if not files:
-        raise DataError(f"{source.url()} has no .parquet or .csv file to propose a table layout from")
-    try:
-        table = _open_table(source.read(files[0], MAX_TABLE_BYTES), files[0].key)
-        batches = []
-        for batch in table.batches(table.names, False):
-            batches.append(batch)
-            if sum(len(b) for b in batches) >= INFER_ROWS:
-                break
-        sample = pa.Table.from_batches(batches) if batches else pa.table({})
-        client = _pick(table.names, client_column, CLIENT_NAMES, "client", "--client-column")
-        label = _pick(table.names, label_column, LABEL_NAMES, "label", "--label-column")
-        inputs = _inputs(table, sample, {client, label})
-        labels = _label_values(source, files, label)
-    except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"a table file under {source.url()} cannot be read: {exc}") from None
-    if len(labels) < 2:
-        raise DataError(f"column {label!r} holds {len(labels)} distinct label(s) ({', '.join(labels)}); "
-                        "a classification needs at least two")
-    layout = TableLayout(client_column=client, label_column=label, **inputs)
-    return DataManifest(source=layout, labels=labels)
