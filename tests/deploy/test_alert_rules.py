@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploytools import CHART, import_tool, only, parse_docs
-
+from deploytools import CHART, import_tool, parse_docs
 
 API = ["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
 
