@@ -113,7 +113,7 @@ def read_file(path: str | Path, limit: int, what: str, error: type[FedpipeError]
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def _measure_yaml(text: str, where: str, what: str) -> None:
+def _measure_yaml(text: str, where: str, what: str, max_nodes: int = MAX_YAML_NODES) -> None:
     """Walk the event stream: refuse nesting deeper than MAX_YAML_DEPTH and documents whose aliases
     expand beyond MAX_YAML_NODES nodes (or refer to a node from inside it)."""
     sizes: dict[str, int] = {}  # anchor -> expanded node count of the finished node
@@ -146,20 +146,21 @@ def _measure_yaml(text: str, where: str, what: str) -> None:
             open_[-1][0] += n
         else:
             total += n
-        if n > MAX_YAML_NODES or total > MAX_YAML_NODES or (open_ and open_[-1][0] > MAX_YAML_NODES):
-            raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_YAML_NODES:,} values (line "
+        if n > max_nodes or total > max_nodes or (open_ and open_[-1][0] > max_nodes):
+            raise ConfigError(f"{where}: its YAML aliases expand to more than {max_nodes:,} values (line "
                               f"{event.start_mark.line + 1}); a {what} holds a few hundred. Write the values out "
                               "instead of nesting aliases.")
 
 
-def parse_yaml(text: str, where: str, what: str = "config", *, invalid_is_text: bool = False) -> Any:
+def parse_yaml(text: str, where: str, what: str = "config", *, invalid_is_text: bool = False,
+               max_bytes: int = MAX_CONFIG_BYTES) -> Any:
     """Parse YAML text within MAX_CONFIG_BYTES, MAX_YAML_DEPTH and MAX_YAML_NODES; any problem is a
     ConfigError naming `where`. With `invalid_is_text` (a `--set` value), text that is not valid YAML
     (or holds a value YAML cannot construct, such as the date 2001-13-01) is returned as the string
     itself; exceeding a bound is still an error."""
-    check_size(len(text.encode("utf-8", "surrogatepass")), MAX_CONFIG_BYTES, where, what)
+    check_size(len(text.encode("utf-8", "surrogatepass")), max_bytes, where, what)
     try:
-        _measure_yaml(text, where, what)
+        _measure_yaml(text, where, what, max(MAX_YAML_NODES, max_bytes // 2 + 1024))  # a node takes 2 bytes at least
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (a safe loader: plain data only)
     except yaml.YAMLError as e:
         if invalid_is_text:

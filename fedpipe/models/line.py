@@ -47,7 +47,9 @@ POINTER_FORMAT = "fedpipe.model-promoted/1"
 MAX_VERSION_RECORD_BYTES = 4 * MAX_RECORD_BYTES  # a run record's config plus the run's summary
 MAX_POINTER_BYTES = 64 * 2**10  # the pointer and a history entry: a version, a hash and a reason
 MAX_REASON_CHARS = 2000
+MAX_FILE_BYTES = 16 * 2**30  # one file of a version, as checked before a promotion (a model's state for many clients)
 RESERVED_FILES = ("version.json", "claim.json")  # written by the line itself, never by `register`'s caller
+ANY = object()  # `PromotionLog.move`'s expected pointer: whatever it is
 ATTEMPTS = 1000  # numbers (or history entries) tried before giving up: only a store under constant contention gets there
 
 
@@ -253,11 +255,18 @@ class PromotionLog:
         data = self.store.get(key)
         return _pointer_of(parse_json(data, where, "promoted pointer", MAX_POINTER_BYTES, CorruptArtifactError), where, sha256_hex(data))
 
-    def move(self, action: str, version: int, record_sha: str, reason: str) -> None:
-        """Replace the pointer (compare-and-swap on the bytes read), then write its history entry."""
+    def move(self, action: str, version: int, record_sha: str, reason: str, expected: Any = ANY) -> None:
+        """Replace the pointer (compare-and-swap on the bytes read), then write its history entry. With
+        `expected` (a version, or None for a line never promoted), only if the pointer still names it."""
         if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
             raise ConfigError(f"A promotion's reason is text of at most {MAX_REASON_CHARS} characters.")
         current = self.pointer()
+        now = None if current is None else current.version
+        if expected is not ANY and now != expected:
+            raise StoreError(f"Model line {self.keys.name!r}: the promoted version is {now or 'none'} now, not "
+                             f"{expected or 'none'} as when this {action} of version {version} was decided (someone promoted "
+                             f"or rolled back in between); this one changed nothing. Decide again: `fedpipe models regate "
+                             f"{self.keys.name}@{version}`, or promote by hand.")
         if current is not None:
             self._write_entry(current)  # lost to a crash between the two writes of the last move: write it now
         seq = 1 if current is None else current.seq + 1
@@ -408,10 +417,19 @@ class ModelLine:
                                        f"(changed after it was promoted). {fix}")
         return record
 
-    def promote(self, version: int, reason: str) -> None:
-        """Point `promoted` at `version` (atomically) and append the promotion to the history."""
+    def promote(self, version: int, reason: str, expected: Any = ANY) -> None:
+        """Point `promoted` at `version` (atomically) and append the promotion to the history; with `expected`,
+        only while the pointer still names that version (the gate's champion). Its files are checked first."""
         _, sha = self._record(_number(self.name, version))  # a missing or malformed record is refused here
-        self.log.move("promote", version, sha, reason)
+        self.check_files(version)
+        self.log.move("promote", version, sha, reason, expected)
+
+    def check_files(self, version: int) -> None:
+        """Every file the version's record lists is there, within its size bound and unchanged (sha256): a
+        version whose models were removed or swapped is never (re)promoted."""
+        record = self.record(version)
+        for key in record.files:
+            self.read(version, key, MAX_FILE_BYTES)
 
     def rollback(self) -> int:
         """Point `promoted` back at the version promoted before the current one; returns it."""
@@ -424,7 +442,8 @@ class ModelLine:
                              f"(`fedpipe models promote {self.name} VERSION`).")
         version, sha = stack[-2]
         self._verified(version, sha, "the history's earlier promotion")
-        self.log.move("rollback", version, sha, f"rolled back from version {stack[-1][0]}")
+        self.check_files(version)
+        self.log.move("rollback", version, sha, f"rolled back from version {stack[-1][0]}", expected=stack[-1][0])
         return version
 
     def history(self) -> list[dict]:

@@ -114,7 +114,7 @@ def regate(line: ModelLine, version: int, overrides: list[str]) -> dict:
                           "run folder is needed to score its models): regate cannot decide; promote by hand if it is wanted.")
     decision = decide(run, line, cfg.registry)
     if decision.promote:
-        line.promote(version, f"regated: {decision.reason}"[:2000])
+        line.promote(version, f"regated: {decision.reason}"[:2000], expected=decision.champion_version)
     return {"version": version, "promoted": decision.promote, "changed": decision.promote, "reason": decision.reason,
             "decision": decision.to_json()}
 
@@ -152,7 +152,9 @@ def finish_promotion(line: ModelLine, record: VersionRecord) -> None:
         return
     if any(entry["version"] == record.version for entry in line.history()):
         return  # promoted by an earlier attempt (or promoted and rolled back since: left as it is)
-    line.promote(record.version, str(record.decision.get("reason", "promoted by the gate"))[:2000])
+    # only over the champion the gate decided against: a hand promotion made meanwhile is not overridden
+    line.promote(record.version, str(record.decision.get("reason", "promoted by the gate"))[:2000],
+                 expected=record.decision.get("champion_version"))
     log.info("Model line %r: version %d promoted (%s).", line.name, record.version, record.decision.get("reason"))
 
 

@@ -126,6 +126,16 @@ def _changed(where: str) -> DataError:
     )
 
 
+def _utf8_name(path: Path) -> None:
+    """A DataError unless the file's name (and its folders') are UTF-8: keys are text in snapshots and messages."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path)[-200:]
+        raise DataError(f"A file under the data folder has a name that is not UTF-8 text (...{shown!r}); rename it "
+                        "(e.g. `convmv -f latin1 -t utf8`), or remove it.") from None
+
+
 def _write_key(key: str) -> str:
     try:
         return validate_key(key)
@@ -232,6 +242,7 @@ class FolderSource(DataSource):
             for name in sorted(filenames):
                 if name.startswith("."):
                     continue
+                _utf8_name(Path(dirpath) / name)
                 obj = self._entry(Path(dirpath) / name)
                 if obj is not None:
                     found.append(obj)

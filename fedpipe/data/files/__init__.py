@@ -77,7 +77,7 @@ def read_manifest(source: DataSource, objects: list[SourceObject]) -> DataManife
     where = holder.url(MANIFEST_NAME)
     text = holder.read(entry, MANIFEST_MAX_BYTES).decode("utf-8", errors="replace")
     try:
-        tree = parse_yaml(text, where, "data manifest")  # bounded size, depth and nodes
+        tree = parse_yaml(text, where, "data manifest", max_bytes=MANIFEST_MAX_BYTES)  # bounded size, depth and nodes
         return DataManifest.model_validate(tree or {})
     except ValidationError as exc:
         raise DataError(f"{where} is not a valid data manifest: {format_validation_error(exc)}") from None

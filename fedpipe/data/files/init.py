@@ -69,7 +69,7 @@ def write_manifest(url: str, manifest: DataManifest, force: bool = False, root: 
 
 def _label_order(names: set[str]) -> list[str]:
     """Label folder names in class order: numeric when every one is an integer, else by name."""
-    if all(_INTEGER.fullmatch(n) for n in names):
+    if all(_INTEGER.fullmatch(n) and len(n) <= 18 for n in names):  # int() of a 5,000-digit name raises
         return sorted(names, key=lambda n: (int(n), n))
     return sorted(names)
 

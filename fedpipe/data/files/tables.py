@@ -243,7 +243,8 @@ class _Labels:
     def of(self, value: str) -> int:
         if value in self.index:
             return self.index[value]
-        if self.by_position and _INTEGER.fullmatch(value) and 0 <= int(value) < len(self.labels):
+        # an index has at most as many digits as the label count (int() of a 5,000-digit text raises)
+        if self.by_position and len(value) <= 12 and _INTEGER.fullmatch(value) and 0 <= int(value) < len(self.labels):
             return int(value)
         return -1
 
