@@ -371,10 +371,13 @@ def _check_bucket_name(bucket: str) -> None:
 
 
 def _http_client(connect_timeout: float, read_timeout: float, retry_seconds: float) -> urllib3.PoolManager:
-    # Retries are done by _S3Calls (tenacity, with a time budget), not inside urllib3.
+    # Retries are done by _S3Calls (tenacity, with a time budget), not inside urllib3. A server that accepts a
+    # connection and then says nothing must not hold one attempt for longer than the whole retry budget: the
+    # read timeout (the longest silence between bytes, not a transfer's duration) follows it too.
     connect = max(0.5, min(connect_timeout, retry_seconds or connect_timeout))
+    read = max(5.0, min(read_timeout, retry_seconds)) if retry_seconds > 0 else read_timeout
     return urllib3.PoolManager(
-        timeout=urllib3.Timeout(connect=connect, read=read_timeout),
+        timeout=urllib3.Timeout(connect=connect, read=read),
         maxsize=10,
         retries=False,
         cert_reqs="CERT_REQUIRED",
