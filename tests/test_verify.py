@@ -116,3 +116,18 @@ def test_verify_against_s3(s3_env, s3_credentials):
     client.put_object("verified", name, io.BytesIO(bytes(data)), len(data), metadata={"sha256": meta})
     code, out = verify("test", "--store", store)
     assert code == 1 and f"DAMAGED  s3://verified/{name}" in out
+
+
+def test_a_file_copied_into_the_run_folder_is_named_not_fatal(tmp_path):
+    """A foreign object under <run>/ (no hash fedpipe recorded) used to make every evaluate fail with advice to
+    re-run the step, which found it again (issue 30): the manifest now leaves it out and says so; verify names it."""
+    from fedpipe.run.verify import write_run_manifest
+    from fedpipe.store import open_store
+
+    run = small_run(tmp_path, *OVERRIDES)
+    run.run_all()
+    (tmp_path / "test" / "report" / "notes.txt").write_text("copied in by hand")
+    manifest = write_run_manifest(open_store(str(tmp_path)), "test")
+    assert "test/report/notes.txt" not in manifest["artifacts"] and "test/report/summary.json" in manifest["artifacts"]
+    code, out = verify("test", "--store", tmp_path)
+    assert code == 0 and "notes.txt" in out, out

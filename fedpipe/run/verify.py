@@ -11,6 +11,7 @@ damage.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -18,6 +19,8 @@ from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.run.layout import RunLayout
 from fedpipe.safe_load import read_store_json
 from fedpipe.store.base import Store, sha256_hex
+
+log = logging.getLogger(__name__)
 
 FORMAT = "fedpipe.run-manifest"
 MANIFEST_LIMIT = 256 * 2**20  # one line per artifact: 256 MiB is millions of them
@@ -27,12 +30,18 @@ def write_run_manifest(store: Store, run_id: str) -> dict:
     """List every artifact of the run with its sha256 and size and store the list (one atomic put)."""
     layout = RunLayout(run_id)
     key = layout.run_manifest
-    artifacts = {}
+    artifacts, foreign = {}, []
     for k in store.list(layout.folder):
         if k == key:
             continue
+        if not layout.owns(k):  # not a key fedpipe writes (a file copied in by hand): named, never vouched for
+            foreign.append(k)
+            continue
         data = store.get(k)  # checks the hash recorded at write time: never vouch for damaged bytes
         artifacts[k] = {"sha256": sha256_hex(data), "size": len(data)}
+    if foreign:
+        log.warning("The run folder %s holds %d file(s) fedpipe did not write; the run's manifest leaves them out: %s",
+                    store.url(run_id), len(foreign), ", ".join(foreign[:10]) + (" ..." if len(foreign) > 10 else ""))
     manifest = {
         "format": FORMAT,
         "run_id": run_id,
