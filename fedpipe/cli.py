@@ -719,6 +719,9 @@ def models_list(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = N
         return
     promoted = _promoted_or_warn(line)
     typer.echo(f"model line {name} in {line.store.url()}: {len(versions)} version(s), promoted: {promoted or 'none'}")
+    for n, claim in line.abandoned():
+        typer.echo(f"  v{n:<4} claimed {claim.get('time', '?')} by run {claim.get('run_id', '?')} but never registered (a "
+                   f"registration that died, or one still writing): `fedpipe models clean {name}` removes its files", err=True)
     for v in versions:
         r = line.record(v)
         decision = r.decision.get("reason") or ("promoted" if r.decision.get("promoted") else "no decision recorded")
@@ -751,6 +754,18 @@ def models_show(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", hel
         typer.echo(f"  file         {key[len(folder):]:<40} {line.store.size(key) or 0:>12,} bytes")
     for entry in line.history()[-10:]:
         typer.echo(f"  history      #{entry['seq']} {entry['time']} {entry['action']} v{entry['version']}: {entry['reason']}")
+
+
+@models_app.command("clean")
+@_guarded
+def models_clean(name: LineArg, older_than_hours: Annotated[float, typer.Option(min=0, help="Only numbers claimed longer ago than this (a registration still writing is younger).")] = 1.0,
+                 store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+    """Remove the files of version numbers that were claimed but never registered (a registration that crashed
+    between taking its number and writing its record). Registered versions are never touched."""
+    line = _model_line(name, store, config, set)
+    removed = line.remove_abandoned(older_than_hours * 3600)
+    typer.echo(f"model line {name}: removed the files of {len(removed)} abandoned number(s)"
+               + (f": {', '.join(f'v{n}' for n in removed)}" if removed else ""))
 
 
 @models_app.command("regate")

@@ -88,3 +88,18 @@ def test_a_rollback_to_a_version_whose_files_were_swapped_is_refused(line, tmp_p
     with pytest.raises(CorruptArtifactError, match="corrupt|changed after registration"):
         line.rollback()
     assert line.promoted() == 2
+
+
+def test_an_abandoned_claim_is_listed_and_cleaned(line, tmp_path):
+    from typer.testing import CliRunner
+
+    from fedpipe.cli import app
+
+    line.store.create(line.keys.claim(3), b'{"run_id": "crashed", "time": "2026-01-01T00:00:00+00:00"}')
+    line.store.put(line.keys.version(3) + "state.pt", b"half written")  # died before its record
+    assert [n for n, _ in line.abandoned()] == [3]
+    listed = CliRunner().invoke(app, ["models", "list", "digits", "--store", str(tmp_path)])
+    assert listed.exit_code == 0 and "v3" in listed.output and "crashed" in listed.output and "never registered" in listed.output
+    assert line.remove_abandoned(older_than_seconds=3600) == [3] and line.abandoned() == []
+    assert line.versions() == [1, 2] and line.store.list(line.keys.version(3)) == []
+    assert line.register(_record("run-4"), {"spec.json": b"{}"}).version == 3  # the number is free again
