@@ -672,6 +672,10 @@ def _line_and_version(ref: str, store, config, overrides, *, default_latest: boo
     if given:
         if not given.isdigit() or int(given) < 1:
             raise FedpipeError(f"{ref!r}: the version after '@' is a number 1, 2, ... (`fedpipe models list {name}`).")
+        versions = line.versions()
+        if int(given) not in versions:
+            there = (f"its versions are {_ranges(versions)}" if versions else "it has no registered version yet")
+            raise FedpipeError(f"Model line {name!r} has no version {int(given)}; {there} (`fedpipe models list {name}`).")
         return line, int(given)
     version = line.promoted()
     if version is None and default_latest and line.versions():
@@ -680,6 +684,17 @@ def _line_and_version(ref: str, store, config, overrides, *, default_latest: boo
         raise FedpipeError(f"Model line {name!r} in {line.store.url()} has no promoted version: name one as {name}@VERSION "
                            f"(`fedpipe models list {name}`), or promote one (`fedpipe models promote {name} VERSION`).")
     return line, version
+
+
+def _ranges(numbers: list[int]) -> str:
+    """1, 2, 3, 5, 7, 8 -> '1-3, 5, 7-8' (a line's versions, said short)."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _promoted_or_warn(line) -> Optional[int]:

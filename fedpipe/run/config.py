@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,8 @@ class RunConfig(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
 
 #: (section, field, unset value) of the fields added after runs were first made: left out of the
@@ -172,6 +175,27 @@ def with_data_snapshot(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": snap["source"], "snapshot": snap["digest"]})})
 
 
+def _switch_method(tree: dict, written: str | None) -> None:
+    """`--set method.name=X` on a file written for another method: the common sections stay, the other method's
+    own fields are dropped, with one warning naming them (they mean nothing to X; X takes its defaults)."""
+    method = tree.get("method")
+    if not isinstance(method, dict) or written is None or method.get("name") == written:
+        return
+    from fedpipe.algorithms import ALGORITHMS
+
+    chosen = ALGORITHMS.get(str(method.get("name")))
+    if chosen is None:
+        return  # an unknown name: validation names the methods that exist
+    known = set(chosen.Params.model_fields)
+    dropped = sorted(k for k in method if k not in known)
+    for key in dropped:
+        del method[key]
+    if dropped:
+        log.warning("method.name=%s replaces the file's %s: its own field(s) %s do not apply to %s and were dropped (%s "
+                    "takes its defaults; set its own fields with --set method.FIELD=VALUE).", method["name"], written,
+                    ", ".join(f"method.{k}" for k in dropped), method["name"], method["name"])
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (None: all defaults), apply `--set` overrides, validate. Raises ConfigError."""
     tree: dict = {}
@@ -182,8 +206,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         tree = load_yaml_file(p) or {}  # size, encoding, nesting and alias expansion bounded
         if not isinstance(tree, dict):
             raise ConfigError(f"Config file {p} must hold a mapping of sections (run, data, partition, ...), not a {type(tree).__name__}.")
+    written = tree.get("method", {}).get("name") if isinstance(tree.get("method"), dict) else None
     for assignment in overrides or []:
         apply_override(tree, assignment)
+    _switch_method(tree, written)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:

@@ -21,6 +21,7 @@ from fedpipe.data import DatasetBundle
 from fedpipe.data.datasets import load_dataset
 from fedpipe.data.federated import FederatedData, prepare_data
 from fedpipe.data.partition import Partition, make_partition
+from fedpipe.data.partition.natural import unseen_test_classes
 from fedpipe.engine import distributed
 from fedpipe.engine.choice import EngineChoice, choose, clients_mode, usable_cores
 from fedpipe.engine.clients import ClientTrainer
@@ -143,6 +144,9 @@ class Run:  # size: a run's three steps and the building blocks they share (data
             from fedpipe.plots import partition_heatmap
 
             self.store.put_text(self.layout.partition_manifest, json.dumps(partition.to_manifest()))
+            if partition.client_names:  # a natural partition: once, when the run's partition is made
+                for line in unseen_test_classes(partition.clients, self.bundle.train.y, self.bundle.class_names, partition.client_names):
+                    log.warning("%s", line)
             title = f"{self.cfg.data.dataset}: {self.cfg.partition.scheme} split"
             if self.cfg.eval.split == "test":  # a tuning trial draws nothing: its plots cost more than its rounds
                 self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title))
@@ -346,7 +350,7 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
     finally:
         if ranks is not None:
             ranks.stop()
-    log.info("Phase %s: client states %s", phase.name, getattr(state.clients, "stats", len(state.clients)))
+    log.debug("Phase %s: client states %s", phase.name, getattr(state.clients, "stats", len(state.clients)))
     return state
 
 

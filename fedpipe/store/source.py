@@ -143,6 +143,9 @@ def _write_key(key: str) -> str:
         raise DataError(str(exc).replace("Artifact key", "Data file name", 1)) from None
 
 
+_SAID: set[tuple[str, str]] = set()  # (drops root, drop) already named in the log
+
+
 @dataclass(frozen=True)
 class DropPolicy:
     """Which sub-folders of a drops root `latest` may pick (`data.drop_pattern`, `data.drop_complete`)."""
@@ -172,7 +175,9 @@ def _newest(children: list[str], parent: str, policy: DropPolicy, complete) -> s
             if incomplete:
                 log.warning("%s/%s: newer drop(s) %s are not complete (no %s, and no %s written after the data): "
                             "skipped until they are.", parent, LATEST, ", ".join(incomplete[:5]), SUCCESS_MARKER, DROP_MANIFEST)
-            log.info("%s/%s is %s (the newest complete drop of %d).", parent, LATEST, name, len(drops))
+            if (parent, name) not in _SAID:  # once per process: a check resolves `latest` several times
+                _SAID.add((parent, name))
+                log.info("%s/%s is %s (the newest complete drop of %d).", parent, LATEST, name, len(drops))
             return name
         incomplete.append(name)
     why = (f"none of its {len(drops)} drop(s) is complete ({', '.join(incomplete[:5])}: write {SUCCESS_MARKER} into a drop "

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from fedpipe.config import format_validation_error
 from fedpipe.data import DatasetBundle, LabeledArrays
-from fedpipe.data.files.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, DataManifest
+from fedpipe.data.files.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, TABLE_EXTENSIONS, DataManifest
 from fedpipe.data.files.rows import DEFAULT_DECODED_MB, ClientRows, DecodeBudget, Problems
 from fedpipe.errors import ConfigError, DataError
 from fedpipe.safe_load import parse_yaml
@@ -99,17 +99,32 @@ def snapshot_of(source: DataSource, objects: list[SourceObject]) -> dict:
             "bytes": int(sum(o.size for o in listed))}
 
 
+def open_data(url: str, policy: DropPolicy | None = None) -> tuple[DataSource, str | None]:
+    """The source `url` names, and the table file it names when it is one (`sites/visits.parquet`: the folder
+    `sites`, reading that file alone); else (source, None)."""
+    head, _, name = url.strip().rstrip("/").rpartition("/")
+    if name.lower().endswith(TABLE_EXTENSIONS):
+        folder = head or "."
+        try:
+            source = open_source(folder, policy)
+        except DataError:
+            source = None
+        if source is not None and source.stat(name) is not None:
+            return source, name
+    return open_source(url, policy), None
+
+
 def current_snapshot(url: str, policy: DropPolicy | None = None) -> dict:
     """The snapshot of what is under `url` now, from a listing alone (`latest` resolved by `policy`: its
     "source" is the dated prefix actually read)."""
-    source = open_source(url, policy)
+    source, _ = open_data(url, policy)
     return snapshot_of(source, source.list())
 
 
 def check_files(url: str, image_size: int | None = None, max_decoded_mb: int = DEFAULT_DECODED_MB) -> DataCheck:
     """Read the source as a run would and return every problem found instead of raising on the first; the
     drop may take at most `max_decoded_mb` decoded (`rows.DecodeBudget`)."""
-    source = open_source(url)
+    source, table_file = open_data(url)
     objects = source.list()
     problems = Problems()
     try:
@@ -117,6 +132,8 @@ def check_files(url: str, image_size: int | None = None, max_decoded_mb: int = D
     except DataError as exc:
         problems.error("manifest", source.url(MANIFEST_NAME), str(exc))
         return DataCheck(source.url(), None, None, None, problems)
+    if table_file is not None and manifest.source.layout == "table":  # the file the source names, alone
+        manifest = manifest.model_copy(update={"source": manifest.source.model_copy(update={"files": (table_file,)})})
     from fedpipe.data.files import images, tables
 
     reader = images.read_image_folders if manifest.source.layout == "image_folders" else tables.read_table

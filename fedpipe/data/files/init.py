@@ -16,16 +16,18 @@ from pathlib import PurePosixPath
 import numpy as np
 import yaml
 
+from fedpipe.data.files import open_data
 from fedpipe.data.files.manifest import (
     IMAGE_EXTENSIONS,
     MANIFEST_NAME,
     TABLE_EXTENSIONS,
     DataManifest,
     ImageFoldersLayout,
+    TableLayout,
 )
 from fedpipe.data.files.rows import Problems
 from fedpipe.errors import DataError
-from fedpipe.store.source import DataSource, SourceObject, open_source
+from fedpipe.store.source import DataSource, SourceObject
 
 __all__ = ["init_manifest", "manifest_yaml", "write_manifest"]
 
@@ -37,13 +39,18 @@ def init_manifest(url: str, client_column: str | None = None, label_column: str 
     """The manifest proposed for the data under `url`, and the URL it would be written to (in the resolved
     source: `.../latest` names the newest drop). Tables: `client_column` / `label_column` name the
     columns when their names are not the usual ones."""
-    source = open_source(url)
+    source, table_file = open_data(url)
     objects = source.list()
     tables = [o for o in objects if "/" not in o.key and o.key.lower().endswith(TABLE_EXTENSIONS)]
+    if table_file is not None:  # a table file named itself: the manifest beside it lists it alone
+        tables = [o for o in tables if o.key == table_file]
     if tables:
         from fedpipe.data.files.table_manifest import infer_table_manifest
 
-        manifest = infer_table_manifest(source, objects, client_column=client_column, label_column=label_column)
+        chosen = objects if table_file is None else [o for o in objects if o.key == table_file]
+        manifest = infer_table_manifest(source, chosen, client_column=client_column, label_column=label_column)
+        if table_file is not None:
+            manifest = manifest.model_copy(update={"source": manifest.source.model_copy(update={"files": (table_file,)})})
     else:
         manifest = _infer_image_folders(source, objects)
     return manifest, source.url(MANIFEST_NAME)
@@ -53,7 +60,7 @@ def write_manifest(url: str, manifest: DataManifest, force: bool = False, root: 
     """Write `manifest` (with its comment header) as the fedpipe-data.yaml of the source `url` (with `root`: of
     the folder above it, the drops root every drop without a manifest of its own reads); returns where. An
     existing manifest is a DataError unless `force`."""
-    source = open_source(url)
+    source, _ = open_data(url)
     if root:
         above = source.parent()
         if above is None:
@@ -127,10 +134,13 @@ def manifest_yaml(manifest: DataManifest) -> str:
         "# source: how the files are laid out.",
     ]
     layout = manifest.source
+    # a table's `channels` means something only with an image column: written out, it would mislead
+    unused = {"channels"} if isinstance(layout, TableLayout) and not layout.image_column else set()
     for name, field in type(layout).model_fields.items():
-        lines += _comment(f"{name}: {field.description or ''}", "  ")
+        if name not in unused:
+            lines += _comment(f"{name}: {field.description or ''}", "  ")
     lines += _comment(f"labels: {DataManifest.model_fields['labels'].description}", "")
-    tree = manifest.model_dump(mode="json", exclude_none=True)
+    tree = manifest.model_dump(mode="json", exclude_none=True, exclude={"source": unused})
     body = yaml.safe_dump(tree, sort_keys=False, allow_unicode=True, default_flow_style=False)
     text = "\n".join(lines) + "\n\n" + body
     if DataManifest.model_validate(yaml.safe_load(text)) != manifest:  # pragma: no cover - a dump that does not read back

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -12,11 +11,9 @@ from fedpipe.data.identity import uniform
 from fedpipe.data.partition._common import _apportion, _check_labels, _floor, _round_half_up, _stream
 from fedpipe.data.partition.feature_shift import feature_transforms
 from fedpipe.data.partition.manifest import ClientSplit, Partition
-from fedpipe.data.partition.natural import natural_clients, unseen_test_classes
+from fedpipe.data.partition.natural import natural_clients
 from fedpipe.data.partition.schemes import PARTITIONERS, parse_partition_config
 from fedpipe.errors import ConfigError, DataError
-
-log = logging.getLogger(__name__)
 
 
 def _stratified_holdout(labels: np.ndarray, fraction: float, num_classes: int, rng: np.random.Generator) -> np.ndarray:
@@ -76,9 +73,6 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
                       opt_out=bool(opt_out[i]), transform=transforms[i], name=names[i] if i < len(names) else str(i))
         for i, positions in enumerate(local)
     )
-    if cfg.scheme == "natural":
-        for line in unseen_test_classes(clients, labels, bundle.class_names, bundle.client_names):
-            log.warning("%s", line)
     return Partition(
         dataset=bundle.name,
         fingerprint=bundle.fingerprint,
