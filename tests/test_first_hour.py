@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from own_data import write_digit_folders
 from typer.testing import CliRunner
 
