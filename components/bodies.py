@@ -26,7 +26,7 @@ from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.models.warm import attach, pin_init_from
 from fedpipe.run.config import RunConfig, load_config, with_data_snapshot
 from fedpipe.run.layout import RunLayout
-from fedpipe.run.report import render_html, summary_lines
+from fedpipe.run.report import clients_html, render_html, summary_lines
 from fedpipe.run.run import Run
 from fedpipe.safe_load import parse_json, parse_yaml, read_file, read_store_json
 from fedpipe.store.base import sha256_hex
@@ -273,7 +273,8 @@ def evaluate(config_path: str, manifest_path: str, state_path: str, html_path: s
         for name in ("accuracy.png", "lam_curve.png", "partition_heatmap.png")
         if run.store.exists(run.layout.report(name))
     }
-    Path(html_path).write_text(render_html(summary["title"], summary_lines(summary), images))
+    clients = _text_or_empty(run, run.layout.report("clients.csv"))
+    Path(html_path).write_text(render_html(summary["title"], summary_lines(summary), images, clients_html(clients) if clients else ""))
     Path(markdown_path).write_text(run.store.get_text(run.layout.report("report.md")))
     return summary
 

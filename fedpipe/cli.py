@@ -603,7 +603,9 @@ def data_init(source: SourceArg,
               label_column: Annotated[Optional[str], typer.Option(help="Tables: the column holding the label (default: label, target, class, y).")] = None,
               force: Annotated[bool, typer.Option("--force", help="Replace an existing fedpipe-data.yaml.")] = False,
               root: Annotated[bool, typer.Option("--root", help="Write it in the folder above SOURCE (the drops root: "
-                                                 "drops/fedpipe-data.yaml), where every drop without a manifest of its own finds it.")] = False):
+                                                 "drops/fedpipe-data.yaml), where every drop without a manifest of its own finds it.")] = False,
+              labels: Annotated[Optional[str], typer.Option(help="The class order, comma-separated (class 0 first), e.g. "
+                                                            "--labels zero,one,two; default: numbers and number words counted, other names in natural order.")] = None):
     """Look at the files under SOURCE and write its manifest, fedpipe-data.yaml: the layout, the columns and
     the label names. Read it, edit it if a guess is wrong, then run `fedpipe data check SOURCE`.
 
@@ -611,12 +613,21 @@ def data_init(source: SourceArg,
     root with `fedpipe data init drops/latest --root`: a drop that has no fedpipe-data.yaml of its own uses
     the root's, so a scheduled run needs nothing written into each new drop (list every label the drops
     will ever hold: a label missing from it stops a run)."""
-    from fedpipe.data.files.init import init_manifest, write_manifest
+    from fedpipe.data.files.init import init_manifest, propose_image_size, reorder_labels, write_manifest
 
     manifest, where = init_manifest(source, client_column=client_column, label_column=label_column)
+    if labels is not None:
+        manifest = reorder_labels(manifest, labels.split(","))
     written = write_manifest(source, manifest, force=force, root=root)
     typer.echo(f"wrote {written}: layout {manifest.source.layout}, {len(manifest.labels)} labels "
                f"({', '.join(manifest.labels[:10])}{' ...' if len(manifest.labels) > 10 else ''})")
+    proposal = propose_image_size(source) if manifest.source.layout == "image_folders" else None
+    if proposal is not None:
+        side, found = proposal
+        typer.echo(f"image sizes: {found}; a run resizes them to one with data.image_size: {side} (the most common) is "
+                   f"proposed: `--set data.image_size={side}` (or image_size: {side} under data: in your config)")
+        typer.echo(f"next: fedpipe data check {source} --image-size {side}")
+        return
     typer.echo(f"next: fedpipe data check {source}")
 
 

@@ -19,7 +19,8 @@ _TICK_EVERY_ROW_MAX = 40  # label every client / class up to this many rows / co
 _HEATMAP_MAX_ROWS = 500  # beyond this many clients the heatmap shows an evenly spaced sample of them
 
 
-def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path, title: str | None = None) -> Path:
+def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path, title: str | None = None,
+                      class_names: tuple[str, ...] = ()) -> Path:
     """Save a clients x classes heatmap of sample counts (train + val + test) as a PNG at `path`.
 
     Opt-out clients are marked in a red strip beside the heatmap (and their tick labels are red when
@@ -49,7 +50,7 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
     else:
         ax = fig.add_subplot(1, 1, 1)
 
-    _draw_counts(fig, ax, counts)
+    _draw_counts(fig, ax, counts, class_names)
     _label_clients(ax, partition, clients, opt_out, sampled)
     _annotate_counts(ax, counts)
     if show_opt:
@@ -62,6 +63,8 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
     scheme = getattr(partition.config, "scheme", "?")
     n_opt = sum(cl.opt_out for cl in partition.clients)
     subtitle = f"{partition.dataset}: {total} clients, {c} classes, scheme {scheme}, seed {partition.seed}"
+    if partition.global_test_indices is not None:  # the held-out rows are no client's: say what the counts are
+        subtitle += f"\ncounts after the global test hold-out ({len(partition.global_test_indices):,} samples, in no client)"
     if n_opt:
         subtitle += f", {n_opt} opt-out"
     if sampled:
@@ -73,8 +76,8 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
     return _save(fig, path)
 
 
-def _draw_counts(fig: Figure, ax, counts: np.ndarray) -> None:
-    """The heatmap of `counts` (clients x classes), its colour bar and its class axis."""
+def _draw_counts(fig: Figure, ax, counts: np.ndarray, class_names: tuple[str, ...] = ()) -> None:
+    """The heatmap of `counts` (clients x classes), its colour bar and its class axis (by name when given)."""
     c = counts.shape[1]
     image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, origin="upper")
     fig.colorbar(image, ax=ax, label="samples", fraction=0.04, pad=0.01)
@@ -82,6 +85,9 @@ def _draw_counts(fig: Figure, ax, counts: np.ndarray) -> None:
     if c <= _TICK_EVERY_ROW_MAX:
         ax.set_xticks(np.arange(c))
         ax.tick_params(axis="x", labelsize=7 if c > 20 else 9)
+        if len(class_names) == c:
+            named = [n if len(n) <= 16 else n[:15] + "…" for n in class_names]
+            ax.set_xticklabels(named, rotation=45 if max(map(len, named)) > 2 else 0, ha="right" if max(map(len, named)) > 2 else "center")
     else:
         ax.xaxis.set_major_locator(MaxNLocator(nbins=20, integer=True))
 

@@ -235,7 +235,7 @@ def _bomb(root: Path) -> Path:
     (_text, "not a PNG or JPEG", "not a PNG or JPEG"),
     (_gif, "not a PNG or JPEG", "not a PNG or JPEG"),
     (_unknown_label, "unknown label", "'cat' .* is not one of the manifest's labels"),
-    (_other_size, "differing image sizes", "is 12x10 pixels but the images before it are 8x8 .* set data.image_size"),
+    (_other_size, "differing image sizes", r"in 2 sizes: 8x8: \d+ \(the first: .*\); 12x10: 1 .* Set data.image_size=8"),
     (_bomb, "image too large", "claims 10000x10000 pixels"),
 ])
 def test_a_bad_file_is_an_error_naming_it_and_nothing_is_written(data_root, make_bad, kind, says):

@@ -110,3 +110,79 @@ def test_a_run_does_not_print_its_client_state_bookkeeping(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         small_run(tmp_path, "train.rounds=1", "method.name=fedavg").run_all()
     assert "client states {" not in caplog.text
+
+
+# 1 -----------------------------------------------------------------------------------------------------------------
+
+def _sites_in_sizes(root: Path) -> Path:
+    """Digit images per site in three sizes (8, 12 and 16 pixels), as sites exporting at different resolutions."""
+    from PIL import Image
+
+    from own_data import SITES, digit_sites
+
+    images, labels, sites = digit_sites()
+    for i in range(300):
+        side = (8, 12, 16)[i % 3]
+        folder = root / SITES[sites[i]] / str(labels[i])
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[i], mode="L").resize((side, side)).save(folder / f"{i}.png")
+    return root
+
+
+def test_mixed_image_sizes_are_one_message_and_init_proposes_a_size(tmp_path):
+    root = _sites_in_sizes(tmp_path / "sites")
+    done = _cli("data", "init", str(root))
+    assert done.returncode == 0 and "the images come in 3 sizes: " in done.stdout, done.stdout + done.stderr
+    assert "--set data.image_size=" in done.stdout and f"fedpipe data check {root} --image-size" in done.stdout
+    check = _cli("data", "check", str(root))
+    assert check.returncode == 2 and check.stdout.count("differing image sizes") == 1, check.stdout
+    assert "samples      300 (200 of them in other image sizes" in check.stdout and "in 3 sizes: " in check.stdout
+    assert _cli("data", "check", str(root), "--image-size", "12").returncode == 0
+
+
+# 2 -----------------------------------------------------------------------------------------------------------------
+
+def test_labels_in_the_order_people_read_them():
+    from fedpipe.data.files.manifest import label_order
+
+    assert label_order({"eight", "one", "zero", "nine", "two"}) == ["zero", "one", "two", "eight", "nine"]
+    assert label_order({"class10", "class2", "Class1"}) == ["Class1", "class2", "class10"]
+    assert label_order({"10", "9", "-1"}) == ["-1", "9", "10"]
+
+
+def test_init_takes_the_class_order_and_the_heatmap_names_classes(tmp_path):
+    from matplotlib.figure import Figure
+
+    from fedpipe.plots import _draw_counts
+
+    root = write_digit_folders(tmp_path / "sites", limit=100)
+    order = "9,8,7,6,5,4,3,2,1,0"
+    assert _cli("data", "init", str(root), "--labels", order).returncode == 0
+    assert "- '9'\n- '8'" in (root / "fedpipe-data.yaml").read_text()
+    wrong = _cli("data", "init", str(root), "--force", "--labels", "9,8,7")
+    assert wrong.returncode == 2 and "missing: 0, 1, 2, 3, 4, 5, 6" in wrong.stderr, wrong.stderr
+    fig = Figure()
+    ax = fig.add_subplot(1, 1, 1)
+    _draw_counts(fig, ax, np.ones((3, 4), dtype=np.int64), ("zero", "one", "two", "three"))
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["zero", "one", "two", "three"]
+
+
+# 3 -----------------------------------------------------------------------------------------------------------------
+
+def test_the_report_names_the_clients_and_the_model(tmp_path):
+    from fedpipe.run.report import clients_html, clients_markdown, summary_lines
+
+    csv_text = ("client,name,opt_out,train,val,test,accuracy,loss,ece,global_test_accuracy,chosen_lam\n"
+                "0,Klinik Süd,0,40,5,10,0.9000,0.3,0.1,,0.4\n1,<b>site</b>,0,30,4,8,0.5000,0.9,0.2,,0.6\n")
+    page = "\n".join(clients_markdown(csv_text))
+    assert "| Klinik Süd | 40 / 5 / 10 | 0.9000 | 0.4 |" in page
+    assert page.index("&lt;b&gt;site&lt;/b&gt;") < page.index("Klinik Süd")  # worst first, names escaped
+    table = clients_html(csv_text)
+    assert "<td>Klinik Süd</td>" in table and "&lt;b&gt;site" in table and "<b>site" not in table and "sortable" in table
+    from runs import small_run
+
+    run = small_run(tmp_path, "train.rounds=1", "method.name=fedavg", "model.name=auto")
+    summary = run.run_all()
+    assert summary["model"] == "superfed_cnn" and any("model                  superfed_cnn (model.name=auto picked it" in line
+                                                    for line in summary_lines(summary))
+    assert "## Clients" in run.store.get_text(run.layout.report("report.md"))

@@ -43,7 +43,8 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
     summary = build_summary(cfg, layout.run_id, pers, glob, rows, data)
 
     store.put_text(layout.report("summary.json"), json.dumps(summary, indent=2))
-    store.put_text(layout.report("clients.csv"), clients_csv(pers, data))
+    per_client = clients_csv(pers, data)
+    store.put_text(layout.report("clients.csv"), per_client)
     put_plot("accuracy.png", lambda p: plots.accuracy_per_round(rows, p, phases, title=summary["title"]))
     if len(pers.clients[0].candidates) > 1:
         store.put_text(layout.report(f"{pers.candidate_label}_curve.csv"), curve_csv(pers))
@@ -51,7 +52,7 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
     extra = algorithm.report_plots(rows)
     for name, draw in extra.items():
         put_plot(name, draw)
-    store.put_text(layout.report("report.md"), markdown(summary, pers, list(extra)))
+    store.put_text(layout.report("report.md"), markdown(summary, pers, list(extra), per_client))
     summary["report"] = store.url(layout.report_dir)
     return summary
 
@@ -101,6 +102,8 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
         "title": f"{cfg.method.name} on {cfg.data.dataset} ({cfg.partition.scheme}, {data.num_clients} clients, seed {cfg.run.seed})",
         "run_id": run_id,
         "method": cfg.method.name,
+        "model": cfg.model_name(tuple(data.input_shape)),
+        "model_chosen_by": "auto" if cfg.model.name == "auto" else "config",
         "dataset": cfg.data.dataset,
         "partition": cfg.partition.scheme,
         "num_clients": data.num_clients,
@@ -158,6 +161,8 @@ def summary_lines(summary: dict) -> list[str]:
     p, g, c = summary["personalized_accuracy"], summary["global_model"], summary["communication"]
     lines = [
         summary["title"],
+        *([f"  model                  {summary['model']}" + (" (model.name=auto picked it for these inputs)"
+                                                         if summary.get("model_chosen_by") == "auto" else "")] if "model" in summary else []),
         f"  personalized accuracy  {_pct(p['mean'])} ± {_pct(p['std'])} (mean over {p['clients']} clients; sample-weighted {_pct(p['weighted'])})",
     ]
     if "on_global_test" in p:
@@ -210,7 +215,7 @@ def _fence(lines: list[str]) -> str:
     return "`" * max(3, longest + 1)
 
 
-def markdown(summary: dict, pers: PersonalizedResult, extra_plots: list[str] = ()) -> str:
+def markdown(summary: dict, pers: PersonalizedResult, extra_plots: list[str] = (), clients: str = "") -> str:
     body = summary_lines(summary)
     fence = _fence(body)
     lines = [f"# {md_text(summary['title'], 500)}", "", fence, *body, fence, ""]
@@ -218,18 +223,65 @@ def markdown(summary: dict, pers: PersonalizedResult, extra_plots: list[str] = (
     if pers.candidate_label and len(pers.clients[0].candidates) > 1:
         lines += [f"![{pers.candidate_label} curve]({pers.candidate_label}_curve.png)", ""]
     lines += [f"![{name}]({name})" for name in extra_plots]
-    lines += ["![partition](partition_heatmap.png)", "", "Per-client results: [clients.csv](clients.csv).", ""]
+    lines += ["![partition](partition_heatmap.png)", ""]
+    lines += clients_markdown(clients) if clients else ["Per-client results: [clients.csv](clients.csv).", ""]
     return "\n".join(lines)
 
 
-def render_html(title: str, lines: list[str], images: dict[str, bytes]) -> str:
-    """A self-contained HTML page (plots embedded as data URIs) for the Kubeflow UI's HTML viewer."""
+MAX_CLIENT_ROWS = 200  # clients listed in a report's table; more: the worst and the best, and clients.csv for all
+
+
+def _client_rows(clients_csv_text: str) -> tuple[list[str], list[list[str]]]:
+    """clients.csv's columns for a report table: client (its name when it has one), samples, accuracy and the
+    chosen candidate; rows worst first (what a reader looks for), trimmed to MAX_CLIENT_ROWS."""
+    table = list(csv.DictReader(io.StringIO(clients_csv_text)))
+    chosen = next((k for k in (table[0] if table else {}) if k.startswith("chosen_")), None)
+    head = ["client", "train / val / test", "accuracy", *([chosen.replace("_", " ")] if chosen else []), "opt-out"]
+    rows = [[r.get("name") or r["client"], f"{r['train']} / {r['val']} / {r['test']}", r["accuracy"],
+             *([r[chosen]] if chosen else []), "yes" if r.get("opt_out") == "1" else ""]
+            for r in sorted(table, key=lambda r: float(r["accuracy"]))]
+    if len(rows) > MAX_CLIENT_ROWS:
+        rows = rows[: MAX_CLIENT_ROWS - 20] + [["...", "", "", *([""] if chosen else []), ""]] + rows[-20:]
+    return head, rows
+
+
+def clients_markdown(clients_csv_text: str) -> list[str]:
+    """The report's per-client table (Markdown, every cell escaped: client names come from the user's files)."""
+    head, rows = _client_rows(clients_csv_text)
+    n = clients_csv_text.count("\n") - 1
+    out = ["## Clients", "", f"{n} client(s), worst accuracy first" + (f" ({MAX_CLIENT_ROWS - 20} worst and 20 best shown; "
+                                                                      "all in [clients.csv](clients.csv))" if n > MAX_CLIENT_ROWS else
+                                                                      "; also in [clients.csv](clients.csv)") + ".", "",
+           "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    out += ["| " + " | ".join(md_text(v, 120) for v in row) + " |" for row in rows]
+    return [*out, ""]
+
+
+_SORTABLE = ("<script>document.querySelectorAll('table.sortable th').forEach((th,i)=>th.onclick=()=>{const b=th.closest('table')"
+             ".tBodies[0];const r=[...b.rows];const n=r.every(x=>!isNaN(parseFloat(x.cells[i].textContent)));const d=th.dataset.d="
+             "th.dataset.d==='1'?'-1':'1';r.sort((p,q)=>{const a=p.cells[i].textContent,c=q.cells[i].textContent;return d*(n?"
+             "parseFloat(a)-parseFloat(c):a.localeCompare(c))});r.forEach(x=>b.appendChild(x))});</script>")
+
+
+def clients_html(clients_csv_text: str) -> str:
+    """The per-client table as HTML, sortable by a click on a column's header (every cell escaped)."""
+    head, rows = _client_rows(clients_csv_text)
+    cells = "".join(f"<tr>{''.join(f'<td>{html.escape(v)}</td>' for v in row)}</tr>" for row in rows)
+    return ("<h3>Clients</h3><p>Worst accuracy first; click a column's header to sort by it.</p>"
+            "<table class='sortable' border='1' cellpadding='3' style='border-collapse:collapse'><thead><tr>"
+            + "".join(f"<th style='cursor:pointer'>{html.escape(h)}</th>" for h in head)
+            + f"</tr></thead><tbody>{cells}</tbody></table>{_SORTABLE}")
+
+
+def render_html(title: str, lines: list[str], images: dict[str, bytes], extra_html: str = "") -> str:
+    """A self-contained HTML page (plots embedded as data URIs) for the Kubeflow UI's HTML viewer; `extra_html`
+    (a table this module built, its cells escaped) goes after the plots."""
     body = "".join(
         f'<figure><img alt="{html.escape(name)}" style="max-width:100%" src="data:image/png;base64,{base64.b64encode(png).decode()}"></figure>'
         for name, png in images.items()
     )
     text = f"<pre>{html.escape(chr(10).join(lines))}</pre>" if lines else ""
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body><h2>{html.escape(title)}</h2>{text}{body}</body></html>"
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body><h2>{html.escape(title)}</h2>{text}{body}{extra_html}</body></html>"
 
 
 def comparison_table(summaries: list[dict]) -> str:

@@ -149,7 +149,8 @@ class Run:  # size: a run's three steps and the building blocks they share (data
                     log.warning("%s", line)
             title = f"{self.cfg.data.dataset}: {self.cfg.partition.scheme} split"
             if self.cfg.eval.split == "test":  # a tuning trial draws nothing: its plots cost more than its rounds
-                self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title))
+                self._put_plot("partition_heatmap.png", lambda path: partition_heatmap(partition, self.bundle.train.y, path, title=title,
+                                                                                    class_names=self.bundle.class_names))
             return partition
 
     # --- step 2: one training phase ---------------------------------------------------------------

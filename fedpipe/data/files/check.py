@@ -61,7 +61,8 @@ def _statistics(check: DataCheck, counts: np.ndarray) -> list[str]:
     return [
         f"layout       {manifest.source.layout}, inputs {shape} ({rows.x.dtype})",
         f"clients      {len(rows.client_names)}: {int(counts.min())} to {int(counts.max())} samples each (median {int(np.median(counts))})",
-        f"samples      {len(rows.y)}",
+        f"samples      {len(rows.y) + rows.skipped}" + (f" ({rows.skipped:,} of them in other image sizes than the first: see the "
+                                                        "error)" if rows.skipped else ""),
         f"classes      {len(manifest.labels)}: " + ", ".join(f"{name} {n}" for name, n in zip(manifest.labels[:20], per_class, strict=False))
         + (" ..." if len(manifest.labels) > 20 else ""),
     ]
@@ -85,4 +86,4 @@ def _natural_split(check: DataCheck, min_client_size: int, heatmap: Path | None)
         return None
     from fedpipe.plots import partition_heatmap
 
-    return partition_heatmap(partition, rows.y, heatmap, title=f"{check.source}: natural partition")
+    return partition_heatmap(partition, rows.y, heatmap, title=f"{check.source}: natural partition", class_names=manifest.labels)

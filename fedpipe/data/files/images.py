@@ -98,6 +98,28 @@ class ImageStack:
         self.count = 0
         self._x: np.ndarray | None = None
         self._first = ""  # where the image that fixed the size came from
+        self.other_sizes: dict[tuple[int, int], list] = {}  # (h, w) -> [images, the first of them]: not kept
+
+    @property
+    def skipped(self) -> int:
+        """Images decoded but not kept: of another size than the first (without data.image_size)."""
+        return sum(n for n, _ in self.other_sizes.values())
+
+    def finish(self, problems: Problems) -> None:
+        """One error for every image of another size than the first: the sizes found, how many of each, the first
+        file of each, and the data.image_size that would make them one."""
+        if not self.other_sizes or self._x is None:
+            return
+        h, w = self._x.shape[2:]
+        sizes = {(h, w): [self.count, self._first], **self.other_sizes}
+        common = max(sizes, key=lambda hw: (sizes[hw][0], -hw[0] * hw[1]))  # the most common; a tie: the smallest
+        listed = "; ".join(f"{sw}x{sh}: {n:,} (the first: {first})" for (sh, sw), (n, first) in
+                           sorted(sizes.items(), key=lambda kv: -kv[1][0]))
+        odd = max(self.other_sizes.values(), key=lambda v: v[0])[1]  # named as where: the first of the largest other size
+        problems.error("differing image sizes", odd,
+                       f"is one of {sum(n for n, _ in sizes.values()):,} images in {len(sizes)} sizes: {listed}. Set data.image_size={max(common)} (the most common size's "
+                       "side) to resize every image to one size (`fedpipe data check SOURCE --image-size "
+                       f"{max(common)}` checks it), or resize the files")
 
     def add(self, data: bytes, where: str, problems: Problems) -> bool:
         """Decode `data` into the next row; False (an error recorded) when it cannot be used."""
@@ -108,11 +130,9 @@ class ImageStack:
             room = (self.budget.limit - self.budget.used) // img.nbytes + 1
             self._x = np.empty((max(1, min(self.capacity, room)), *img.shape), dtype=np.uint8)
             self._first = where
-        elif img.shape != self._x.shape[1:]:
-            (h, w), (ch, cw) = img.shape[1:], self._x.shape[2:]
-            problems.error("differing image sizes", where, f"is {w}x{h} pixels but the images before it are {cw}x{ch} "
-                           f"(the first: {self._first}); set data.image_size to resize every image to one size, "
-                           "or resize the files")
+        elif img.shape != self._x.shape[1:]:  # counted, and said once for all (`finish`)
+            seen = self.other_sizes.setdefault(tuple(img.shape[1:]), [0, where])
+            seen[0] += 1
             return False
         if self.count == len(self._x):
             room = (self.budget.limit - self.budget.used) // img.nbytes + 1  # charged already: never past the budget
@@ -184,11 +204,13 @@ def read_image_folders(source: DataSource, objects: list[SourceObject], manifest
             y[len(used)], clients[len(used)] = label, client_index[client]
             ids[len(used)] = identity_of(client, obj.key.split("/")[2])  # not the label folder: a relabelled file keeps its split
             used.append(obj)
+    stack.finish(problems)
     n = len(used)
     present = np.unique(clients[:n])  # clients with at least one image read, in name order
     keys = [o.key for o in used]
     rows = ClientRows(
         x=stack.array(), y=y[:n].copy(), clients=np.searchsorted(present, clients[:n]).astype(np.int64),
         client_names=tuple(client_names[i] for i in present), where=lambda i: source.url(keys[i]), ids=ids[:n].copy(),
+        skipped=stack.skipped,
     )
     return rows, used

@@ -9,7 +9,7 @@ edited by hand; an existing one is only replaced when asked (`force`).
 
 from __future__ import annotations
 
-import re
+import io
 import textwrap
 from pathlib import PurePosixPath
 
@@ -24,6 +24,7 @@ from fedpipe.data.files.manifest import (
     DataManifest,
     ImageFoldersLayout,
     TableLayout,
+    label_order,
 )
 from fedpipe.data.files.rows import Problems
 from fedpipe.errors import DataError
@@ -32,7 +33,6 @@ from fedpipe.store.source import DataSource, SourceObject
 __all__ = ["init_manifest", "manifest_yaml", "write_manifest"]
 
 SAMPLED_IMAGES = 50  # images decoded to tell grayscale from colour
-_INTEGER = re.compile(r"-?\d+")
 
 
 def init_manifest(url: str, client_column: str | None = None, label_column: str | None = None) -> tuple[DataManifest, str]:
@@ -74,11 +74,15 @@ def write_manifest(url: str, manifest: DataManifest, force: bool = False, root: 
     return source.write(MANIFEST_NAME, manifest_yaml(manifest).encode("utf-8"))
 
 
-def _label_order(names: set[str]) -> list[str]:
-    """Label folder names in class order: numeric when every one is an integer, else by name."""
-    if all(_INTEGER.fullmatch(n) and len(n) <= 18 for n in names):  # int() of a 5,000-digit name raises
-        return sorted(names, key=lambda n: (int(n), n))
-    return sorted(names)
+def reorder_labels(manifest: DataManifest, order: list[str]) -> DataManifest:
+    """The manifest with its labels in `order` (the same names, in the class order the user wants)."""
+    given, found = [o.strip() for o in order if o.strip()], list(manifest.labels)
+    missing, extra = [n for n in found if n not in given], [n for n in given if n not in found]
+    if missing or extra or len(given) != len(found):
+        raise DataError(f"--labels must list each label the data holds once, in the order wanted; the data holds "
+                        f"{', '.join(found[:30])}{' ...' if len(found) > 30 else ''}"
+                        + (f"; missing: {', '.join(missing[:10])}" if missing else "") + (f"; not in the data: {', '.join(extra[:10])}" if extra else ""))
+    return manifest.model_copy(update={"labels": tuple(given)})
 
 
 def _infer_image_folders(source: DataSource, objects: list[SourceObject]) -> DataManifest:
@@ -89,7 +93,7 @@ def _infer_image_folders(source: DataSource, objects: list[SourceObject]) -> Dat
             "<client>/<label>/<image> (.png, .jpg or .jpeg files), so `fedpipe data init` cannot propose a layout. "
             f"Arrange the files in one of these layouts, or write {MANIFEST_NAME} by hand."
         )
-    labels = _label_order({o.key.split("/")[1] for o in images})
+    labels = label_order({o.key.split("/")[1] for o in images})
     if len(labels) < 2:
         raise DataError(
             f"{source.url()} has images under a single label folder ({labels[0]!r}); a classification needs at "
@@ -97,6 +101,38 @@ def _infer_image_folders(source: DataSource, objects: list[SourceObject]) -> Dat
         )
     channels = 1 if _all_grayscale(source, images) else 3
     return DataManifest(source=ImageFoldersLayout(channels=channels), labels=tuple(labels))
+
+
+SIZE_SAMPLE = 2_000  # images whose headers `propose_image_size` reads (spread evenly over the files)
+
+
+def propose_image_size(url: str) -> tuple[int, str] | None:
+    """For image folders of several sizes: the data.image_size to propose (the side of the most common size; a
+    tie: the smallest) and a line saying the sizes found; None when the images share one size (or are tables)."""
+    from collections import Counter
+
+    from PIL import Image
+
+    from fedpipe.data.files.images import MAX_IMAGE_BYTES
+
+    source, table_file = open_data(url)
+    images = [o for o in source.list() if len(o.key.split("/")) == 3 and PurePosixPath(o.key).suffix.lower() in IMAGE_EXTENSIONS]
+    if table_file is not None or not images:
+        return None
+    sizes: Counter[tuple[int, int]] = Counter()
+    step = max(1, len(images) // SIZE_SAMPLE)
+    for obj in images[::step][:SIZE_SAMPLE]:
+        try:
+            with Image.open(io.BytesIO(source.read(obj, MAX_IMAGE_BYTES))) as img:  # the header only: nothing decoded
+                sizes[img.size] += 1
+        except Exception:  # noqa: BLE001 - an unreadable file: `fedpipe data check` names it
+            continue
+    if len(sizes) < 2:
+        return None
+    (w, h), _ = max(sizes.items(), key=lambda kv: (kv[1], -kv[0][0] * kv[0][1]))
+    found = ", ".join(f"{a}x{b} ({n})" for (a, b), n in sizes.most_common(6)) + (" ..." if len(sizes) > 6 else "")
+    sampled = f" in a sample of {sum(sizes.values()):,}" if step > 1 else ""
+    return max(w, h), f"the images come in {len(sizes)} sizes{sampled}: {found}"
 
 
 def _all_grayscale(source: DataSource, images: list[SourceObject]) -> bool:

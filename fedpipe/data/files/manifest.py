@@ -14,6 +14,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -28,6 +29,7 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 TABLE_EXTENSIONS = (".parquet", ".csv")
 
 _COLUMN = Field(min_length=1, max_length=256)
+_INTEGER_NAME = re.compile(r"[+-]?\d+")
 
 
 class ImageFoldersLayout(Section):
@@ -105,3 +107,24 @@ class DataManifest(Section):
             dup = sorted({x for x in self.labels if self.labels.count(x) > 1})
             raise ValueError(f"labels must be distinct; repeated: {', '.join(dup[:5])}")
         return self
+
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+                "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty")
+
+
+def label_order(names: set[str]) -> list[str]:
+    """Label folder names in the order a person reads them: numeric when every one is an integer, in counting
+    order when every one is an English number word (zero, one, two, ...), else naturally (class2 before
+    class10; case aside). `fedpipe data init --labels` sets any other order."""
+    if all(_INTEGER_NAME.fullmatch(n) and len(n) <= 18 for n in names):  # int() of a 5,000-digit name raises
+        return sorted(names, key=lambda n: (int(n), n))
+    if all(n.lower() in NUMBER_WORDS for n in names) and len({n.lower() for n in names}) == len(names):
+        return sorted(names, key=lambda n: NUMBER_WORDS.index(n.lower()))
+    return sorted(names, key=_natural_key)
+
+
+def _natural_key(name: str) -> tuple:
+    """'class10' -> ((1, 'class'), (0, 10), ...): digits compare as numbers, text case-insensitively."""
+    parts = re.split(r"(\d{1,18})", name)
+    return (*((0, int(p)) if p.isdigit() else (1, p.lower()) for p in parts if p), name)

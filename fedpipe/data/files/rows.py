@@ -56,6 +56,7 @@ class ClientRows:
     where: Callable[[int], str]  # row i -> where it came from, for messages ("s3://b/p/a/cat/1.png", "t.parquet row 17")
     vocab_size: int | None = None  # token sequences only
     ids: np.ndarray | None = None  # uint64 per row: its identity (`fedpipe.data.identity`), what fixes its split
+    skipped: int = 0  # samples decoded but not kept (images of another size than the first): an error says why
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,9 @@ which the label, and what the inputs are, from the column names and a sample of 
 
 from __future__ import annotations
 
-import re
-
 import pyarrow as pa
 
-from fedpipe.data.files.manifest import TABLE_EXTENSIONS, DataManifest, TableLayout
+from fedpipe.data.files.manifest import TABLE_EXTENSIONS, DataManifest, TableLayout, label_order
 from fedpipe.data.files.tables import MAX_TABLE_BYTES, _is_number, _is_string, _open_table, _Table, _text
 from fedpipe.errors import DataError
 from fedpipe.store.source import DataSource, SourceObject
@@ -18,7 +16,6 @@ INFER_ROWS = 10_000  # rows `infer_table_manifest` looks at to tell the columns 
 CLIENT_NAMES = ("client", "site", "device", "user", "writer", "hospital", "branch")
 LABEL_NAMES = ("label", "labels", "target", "class", "y")
 TEXT_NAMES = ("text", "sentence", "review")
-_INTEGER = re.compile(r"[+-]?\d+")
 
 
 def _pick(names: list[str], given: str | None, candidates: tuple[str, ...], what: str, flag: str) -> str:
@@ -71,9 +68,7 @@ def _label_values(source: DataSource, files: list[SourceObject], column: str) ->
             seen.update(v for v in _text(batch.column(0)).dictionary_encode().dictionary.to_pylist() if v)
             if len(seen) > MAX_LABELS:
                 raise DataError(f"column {column!r} has more than {MAX_LABELS} distinct values: is it the label column?")
-    if all(_INTEGER.fullmatch(v) and len(v) <= 18 for v in seen):  # int() of a 5,000-digit text raises
-        return tuple(sorted(seen, key=int))
-    return tuple(sorted(seen))
+    return tuple(label_order(seen))
 
 
 def infer_table_manifest(source: DataSource, objects: list[SourceObject], client_column: str | None = None,

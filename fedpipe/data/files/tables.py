@@ -559,6 +559,9 @@ def read_table(source: DataSource, objects: list[SourceObject], manifest: DataMa
     if len(problems.errors) > errors_before or not files:
         return None, used
     if isinstance(inputs, _Images):
+        inputs.stack.finish(problems)
+        if len(problems.errors) > errors_before:
+            return None, used
         x = inputs.stack.array()
     elif isinstance(inputs, _Texts):
         x = inputs.result()
