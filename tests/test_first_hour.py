@@ -137,6 +137,7 @@ def test_mixed_image_sizes_are_one_message_and_init_proposes_a_size(tmp_path):
     check = _cli("data", "check", str(root))
     assert check.returncode == 2 and check.stdout.count("differing image sizes") == 1, check.stdout
     assert "samples      300 (200 of them in other image sizes" in check.stdout and "in 3 sizes: " in check.stdout
+    assert "clients      " not in check.stdout and "client too small" not in check.stdout  # no partial counts
     assert _cli("data", "check", str(root), "--image-size", "12").returncode == 0
 
 

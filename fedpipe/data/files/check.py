@@ -34,7 +34,7 @@ def check_report(url: str, image_size: int | None = None, min_client_size: int =
     if rows is not None and len(rows.y):
         counts = np.bincount(rows.clients, minlength=len(rows.client_names))
         for name, n in zip(rows.client_names, counts, strict=True):
-            if n < min_client_size:
+            if n < min_client_size and not rows.skipped:  # with images of other sizes left out, counts are partial
                 problems.error("client too small", f"client {name!r}", f"{n} samples, fewer than partition.min_client_size={min_client_size}")
         lines += _statistics(check, counts)
         if not problems.errors:
@@ -58,11 +58,14 @@ def _statistics(check: DataCheck, counts: np.ndarray) -> list[str]:
     assert rows is not None and manifest is not None
     shape = "x".join(map(str, rows.x.shape[1:]))
     per_class = np.bincount(rows.y, minlength=len(manifest.labels))
+    if rows.skipped:  # images of other sizes were not kept: the counts below cover the first size's alone
+        return [f"layout       {manifest.source.layout}, inputs of several sizes ({rows.x.dtype})",
+                f"samples      {len(rows.y) + rows.skipped} ({rows.skipped:,} of them in other image sizes than the first: see "
+                "the error; clients and classes are counted once one image size is set)"]
     return [
         f"layout       {manifest.source.layout}, inputs {shape} ({rows.x.dtype})",
         f"clients      {len(rows.client_names)}: {int(counts.min())} to {int(counts.max())} samples each (median {int(np.median(counts))})",
-        f"samples      {len(rows.y) + rows.skipped}" + (f" ({rows.skipped:,} of them in other image sizes than the first: see the "
-                                                        "error)" if rows.skipped else ""),
+        f"samples      {len(rows.y)}",
         f"classes      {len(manifest.labels)}: " + ", ".join(f"{name} {n}" for name, n in zip(manifest.labels[:20], per_class, strict=False))
         + (" ..." if len(manifest.labels) > 20 else ""),
     ]
