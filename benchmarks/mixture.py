@@ -120,13 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-epochs", type=int, default=15)
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--model", default="lenet5")
+    ap.add_argument("--dataset", default="mnist5k", help="data.dataset of every run (fashion_mnist: the paper's Table 1c/1d)")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run (repeatable)")
     ap.add_argument("--workers", type=int, default=2, help="parallel processes (one thread each)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for mixture.md/.json/.png")
     args = ap.parse_args(argv)
 
     common = [
-        "data.dataset=mnist5k", "method.name=fedmoe", "partition.scheme=majority_class",
+        f"data.dataset={args.dataset}", "method.name=fedmoe", "partition.scheme=majority_class",
         f"partition.num_clients={args.clients}", f"partition.samples_per_client={args.samples_per_client}",
         "partition.val_fraction=0.2", "partition.test_fraction=0.2", f"model.name={args.model}",
         f"train.rounds={args.rounds}", f"train.client_fraction={args.per_round / args.clients}",
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(fut.result())
     rows.sort(key=lambda r: (r["q"], r["p"], r["seed"]))
     text = (
-        f"mnist5k, majority-class split, {args.clients} clients x {args.samples_per_client} samples, {args.per_round} per "
+        f"{args.dataset}, majority-class split, {args.clients} clients x {args.samples_per_client} samples, {args.per_round} per "
         f"round, model {args.model}, {args.rounds} rounds x {args.local_epochs} local epochs of batch {args.batch_size} (Adam lr {args.lr:g}), "
         f"specialist and mixture lr {args.finetune_lr:g}, early stopping patience {args.patience} (max {args.max_epochs} "
         f"epochs), seeds {args.seeds}; test accuracy in % (mean ± std over seeds; each a mean over clients): "
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     from fedpipe.plots import global_vs_local_accuracy
 
     global_vs_local_accuracy(figure_rows(rows), args.out / "mixture.png",
-                             title=f"mnist5k: global vs local test accuracy (Fig. 3), mean over seeds {args.seeds}")
+                             title=f"{args.dataset}: global vs local test accuracy (Fig. 3), mean over seeds {args.seeds}")
     print(f"\nwrote {args.out / 'mixture.md'}, {args.out / 'mixture.json'} and {args.out / 'mixture.png'}", file=sys.stderr)
 
 

@@ -125,6 +125,15 @@ class TrainConfig(Section):
     """A round fails when fewer clients than this report back (a failed client is left out of the round)."""
     keep_checkpoints: int = Field(2, ge=1, le=MAX_CHECKPOINTS)
     """Per-round checkpoints kept while a phase runs (older ones are deleted; the phase's final state stays)."""
+    select: Literal["last", "best_val_loss", "best_val_accuracy"] = "last"
+    """Which round's server state a federated phase ends with: `last` (the last round's), or the round whose
+    global model scored best on the validation splits of that round's participating clients (their mean
+    loss, or mean accuracy), checked every `select_every` rounds and at the phase's last: the mixture-of-
+    experts paper's model selection (Listo Zec et al., Sec. 4: the FedAvg model with the best mean
+    validation loss, checked every 50 rounds). The choice is kept in the checkpoints, so a resumed phase
+    selects as an uninterrupted one would. Methods without a global model keep the last round's."""
+    select_every: int = Field(1, ge=1, le=MAX_ROUNDS)
+    """With select other than last: check every this many rounds of the phase (and at its last round)."""
     init_from: str = Field("none", pattern=r"^(none|promoted|[1-9][0-9]{0,8})$")
     """Warm start from the model line `registry.name`: `promoted` (its promoted version), a version number,
     or `none` (random initial weights). The first phase starts from that version's global model and the

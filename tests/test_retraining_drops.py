@@ -52,7 +52,7 @@ def test_a_poisoned_drop_is_flagged_by_the_drop_check_and_not_promoted(tmp_path,
             _rotate_labels(folder, POISONED)
         return upload_folder(s.raw, folder, s.bucket, f"drops/{day}")
 
-    drop("2026-01-01", 500)
+    drop("2026-01-01", 400)
     no_manifest = _cli("data", "check", f"s3://{s.bucket}/drops/latest")
     assert no_manifest.returncode == 2 and "--root" in no_manifest.stdout + no_manifest.stderr, no_manifest.stdout
     done = _cli("data", "init", f"s3://{s.bucket}/drops/latest", "--root")
@@ -60,14 +60,14 @@ def test_a_poisoned_drop_is_flagged_by_the_drop_check_and_not_promoted(tmp_path,
     run1, published1 = s.run("job-1", config)
     assert published1["promoted"] and published1["version"] == 1
 
-    drop("2026-02-01", 1000)
+    drop("2026-02-01", 800)
     run2, published2 = s.run("job-2", config)
     assert published2["promoted"], published2["reason"]
     compared, apart, check = published2["compared"], published2["new_samples"], published2["drop_check"]
     assert "both drops hold" in compared["on"] and compared["samples"] > 50 and apart["samples"] > 50
     assert check["checked"] == len(SITES) and not check["suspect"]
 
-    drop("2026-03-01", 1500, poison=True)
+    drop("2026-03-01", 1200, poison=True)
     run3, published3 = s.run("job-3", config)
     assert run3.cfg.data.source.endswith("/2026-03-01") and run3.cfg.train.init_from == "2"
     check = published3["drop_check"]

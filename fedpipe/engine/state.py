@@ -42,6 +42,7 @@ class PhaseState:
     server: ServerState
     clients: MutableMapping[int, Params] = field(default_factory=dict)  # a dict, or a ClientStates
     config_fingerprint: str = ""
+    selection: Selection | None = None  # train.select: the best round so far and its server state
 
     def __setattr__(self, name, value) -> None:
         super().__setattr__(name, value)
@@ -66,6 +67,10 @@ class PhaseState:
         }
         if refs:
             d["client_refs"] = refs
+        if self.selection is not None:
+            sel = self.selection
+            d["selection"] = {"round": sel.round, "score": sel.score, "global": _cpu(sel.server.global_params),
+                              "server_clients": {k: _cpu(v) for k, v in sel.server.per_client.items()}}
         buf = io.BytesIO()
         torch.save(d, buf)
         return buf.getvalue()
@@ -95,12 +100,30 @@ class PhaseState:
                 server=ServerState(dict(d["global"]), {int(k): dict(v) for k, v in d["server_clients"].items()}),
                 clients=kept,
                 config_fingerprint=d.get("config_fingerprint", ""),
+                selection=_selection(d.get("selection")),
             )
         except Exception as e:  # any unreadable content is a bad artifact, reported as such
             raise CorruptArtifactError(
                 f"{where} is not a readable fedpipe state ({type(e).__name__}: {e}). It was damaged or "
                 "written by something else; rerun the step that produces it."
             ) from None
+
+
+@dataclass
+class Selection:
+    """`train.select`'s choice so far: the round, its validation score (higher is better: a loss is negated)
+    and the server state after it."""
+
+    round: int
+    score: float
+    server: ServerState
+
+
+def _selection(d: dict | None) -> Selection | None:
+    if d is None:
+        return None
+    server = ServerState(dict(d["global"]), {int(k): dict(v) for k, v in d["server_clients"].items()})
+    return Selection(int(d["round"]), float(d["score"]), server)
 
 
 def _cpu(params: Params) -> Params:

@@ -4,16 +4,20 @@ that evaluation), checkpoint."""
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
 import time
 
 from fedpipe.algorithms.base import Algorithm, Phase
-from fedpipe.config import EvalConfig
+from fedpipe.config import EvalConfig, TrainConfig
 from fedpipe.data.federated import FederatedData
-from fedpipe.engine.evaluation import evaluate_global, evaluate_personalized
-from fedpipe.engine.rounds import RoundResult
-from fedpipe.engine.state import Checkpoints, PhaseState
+from fedpipe.engine.evaluation import evaluate_global, evaluate_model, evaluate_personalized
+from fedpipe.engine.rounds import RoundResult, select_clients
+from fedpipe.engine.state import Checkpoints, PhaseState, Selection
 from fedpipe.telemetry import PhaseEvent, RoundEvent, RunLabels, Telemetry
+
+log = logging.getLogger(__name__)
 
 
 class Evaluation:
@@ -93,3 +97,47 @@ class Checkpointing:
 
     def on_phase_end(self, phase: Phase, state: PhaseState) -> None:
         self.checkpoints.save_final(state)
+
+
+class ModelSelection:
+    """`train.select`: the round whose global model scored best on its participating clients' validation
+    splits (mean loss or mean accuracy over those clients; the mixture-of-experts paper, Sec. 4), checked every
+    `select_every` rounds of a communicating phase and at its last; at the last round the phase's server state
+    becomes that round's. The choice rides in the state (`PhaseState.selection`), so it is checkpointed with
+    every round and a resumed phase selects as an uninterrupted one would. Comes before `Checkpointing`."""
+
+    def __init__(self, algorithm: Algorithm, data: FederatedData, train: TrainConfig, seed: int, batch_size: int):
+        self.algorithm, self.data, self.train, self.seed, self.batch_size = algorithm, data, train, seed, batch_size
+        self.by_id = {c.client_id: c for c in data.clients}
+
+    def on_phase_start(self, phase: Phase, state: PhaseState) -> None:
+        if state.selection is not None and state.phase != phase.name:
+            state.selection = None  # another phase's choice: this phase selects its own
+
+    def on_round_end(self, state: PhaseState, result: RoundResult) -> None:
+        phase, train = result.phase, self.train
+        if train.select == "last" or not phase.communicates:
+            return
+        if (result.round - phase.first_round + 1) % train.select_every == 0 or result.last:
+            params = self.algorithm.global_model(state.server)
+            score = self._score(params, phase, result.round) if params is not None else None
+            if score is not None and (state.selection is None or score > state.selection.score):
+                state.selection = Selection(result.round, score, copy.deepcopy(state.server))
+        if result.last and state.selection is not None:
+            log.info("Phase %s ends with round %d's server state (train.select=%s: %.4f; the last round was %d).", phase.name,
+                     state.selection.round, train.select, abs(state.selection.score), result.round)
+            state.server = copy.deepcopy(state.selection.server)
+
+    def _score(self, params, phase: Phase, round_: int) -> float | None:
+        """Higher is better: the mean accuracy, or the negated mean loss, over the round's participants with a
+        validation split."""
+        clients = [self.by_id[c] for c in select_clients(self.data, phase, self.train.client_fraction, self.seed, round_)]
+        scores = [evaluate_model(self.algorithm, params, c.val, self.batch_size, 1) for c in clients if len(c.val)]
+        if not scores:
+            return None
+        if self.train.select == "best_val_accuracy":
+            return float(sum(s.accuracy for s in scores) / len(scores))
+        return -float(sum(s.loss for s in scores) / len(scores))
+
+    def on_phase_end(self, phase: Phase, state: PhaseState) -> None:
+        pass

@@ -138,6 +138,7 @@ DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
 #: (section, field, unset value) of the fields added after runs were first made: left out of the
 #: fingerprint while unset, so upgrading fedpipe does not move existing runs to new ids.
 LATER_FIELDS = (("data", "source", None), ("data", "image_size", None), ("data", "snapshot", None), ("train", "init_from", "none"),
+               ("train", "select", "last"), ("train", "select_every", 1),
                ("eval", "candidates", "per_client"), ("eval", "split", "test"))
 
 #: Upper bounds of the partition schemes' size fields: a million clients is cross-device scale (the

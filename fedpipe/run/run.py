@@ -346,6 +346,7 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
         with Telemetry(sinks) as telemetry:
             # evaluate, report, checkpoint: the order `callbacks.Checkpointing` explains
             around = [callbacks.Evaluation(algorithm, data, cfg.eval), callbacks.Reporting(algorithm, telemetry, run.labels(phase.name)),
+                      callbacks.ModelSelection(algorithm, data, cfg.train, cfg.run.seed, cfg.eval.batch_size),
                       callbacks.Checkpointing(ckpt, cfg.train.keep_checkpoints)]
             state = run_phase(algorithm, phase, data, start, cfg.train, cfg.run.seed, train_round, around)
     finally:
