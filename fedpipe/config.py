@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -54,19 +54,33 @@ MAX_URL_CHARS = 2_048
 
 
 CREDENTIALS_IN_URL = "contains a user name or password"
+CREDENTIAL_IN_QUERY = "carries a credential in its query string"
+#: Query parameters that hold a credential (compared lower case, without '-' and '_'): a name holding one of
+#: these words (access_token, X-Amz-Signature, X-Amz-Credential, client_secret, api_key, ...) or one of
+#: the short names (Azure's sig, Google's key).
+_SECRET_WORDS = ("token", "secret", "passw", "signature", "credential", "apikey", "accesskey")
+_SECRET_NAMES = ("sig", "key", "pwd", "pass", "auth", "authorization")
 
 
 def refuse_url_credentials(url: str, where: str, instead: str, *, bare_is_host: bool = True) -> str:
-    """`url` unchanged, or a ValueError when it carries a user name or password (``scheme://user:pass@host``):
-    a URL is printed by `fedpipe config`, stored in the run record and logged, so credentials never
-    go there. `instead` says where they go. (The rule of the S3 endpoint in `fedpipe.store.s3`.)
+    """`url` unchanged, or a ValueError when it carries credentials: a user name or password
+    (``scheme://user:pass@host``) or a token or signature in its query string or fragment (``?access_token=``,
+    ``X-Amz-Signature``). A URL is printed by `fedpipe config`, stored in the run record and logged, so
+    credentials never go there. `instead` says where they go. (The rule of the S3 endpoint in `fedpipe.store.s3`.)
     `bare_is_host`: text without a scheme starts with a host (a Pushgateway's host:port); False: it
-    is a local path, where '@' is just a character."""
+    is a local path, where '@' and '?' are just characters."""
     text = str(url).strip()
-    netloc = urlsplit(text).netloc if "://" in text else text.split("/", 1)[0] if bare_is_host else ""
-    if "@" in netloc:
+    if "://" not in text and not bare_is_host:
+        return url
+    parts = urlsplit(text if "://" in text else "//" + text)
+    if "@" in parts.netloc:
         raise ValueError(f"{where} {CREDENTIALS_IN_URL} (the part before '@'); a URL is printed, "
                          f"logged and stored with the run, so it must hold no credentials: {instead}")
+    for name, _ in parse_qsl(parts.query, keep_blank_values=True) + parse_qsl(parts.fragment, keep_blank_values=True):
+        plain = name.lower().replace("-", "").replace("_", "")
+        if plain in _SECRET_NAMES or any(word in plain for word in _SECRET_WORDS):
+            raise ValueError(f"{where} {CREDENTIAL_IN_QUERY} (the parameter {name[:40]!r}); a URL is printed, logged and "
+                             f"stored with the run, so it must hold no credentials: {instead}")
     return url
 
 
@@ -327,7 +341,7 @@ def format_validation_error(err: ValidationError) -> str:
             got = f"an {type(e.get('input')).__name__} too long to print"
         got = got if len(got) <= 200 else got[:197] + "..."  # a value from a big file stays one line
         got = _URL_USERINFO.sub(r"\1***@", got)  # an error message is pasted into issues: no password in it
-        if CREDENTIALS_IN_URL in msg:
+        if CREDENTIALS_IN_URL in msg or CREDENTIAL_IN_QUERY in msg:
             got = "a URL with credentials, not repeated here"
         lines.append(f"  {loc or '(top level)'}: {msg} (got {got})" if e["type"] != "missing" else f"  {loc}: required")
     return "The configuration is invalid:\n" + "\n".join(lines)

@@ -29,7 +29,8 @@ class Uniform:
             raise ConfigError(f"a uniform range needs finite low < high, got [{self.low}, {self.high}]")
 
     def grid(self, points: int) -> list[float]:
-        return [self.low + (self.high - self.low) * i / max(points - 1, 1) for i in range(points)]
+        # clamped: low + (high - low) * 1.0 can round past high, and a point outside the range is refused when read back
+        return [min(self.high, self.low + (self.high - self.low) * i / max(points - 1, 1)) for i in range(points)]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class LogUniform:
 
     def grid(self, points: int) -> list[float]:
         lo, hi = math.log(self.low), math.log(self.high)
-        return [float(f"{math.exp(lo + (hi - lo) * i / max(points - 1, 1)):.6g}") for i in range(points)]
+        points_ = (float(f"{math.exp(lo + (hi - lo) * i / max(points - 1, 1)):.6g}") for i in range(points))
+        return [min(self.high, max(self.low, p)) for p in points_]  # rounded to 6 digits, still inside the range
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,50 @@ def describe(dim: Dimension) -> str:
         return "one of " + ", ".join(map(str, dim.values))
     word = {Uniform: "uniform", LogUniform: "log-uniform", IntRange: "integer"}[type(dim)]
     return f"{word} [{dim.low:g}, {dim.high:g}]"
+
+
+def admits(dim: Dimension, value: Any) -> bool:
+    """Whether `value` (read back from a record: any JSON) is one `dim` could have drawn: its type, inside its range."""
+    if isinstance(value, bool):  # True == 1 in Python: a flag is no number, and 1 is no flag
+        return isinstance(dim, Choice) and any(v is value for v in dim.values)
+    if isinstance(dim, Uniform | LogUniform):
+        return isinstance(value, int | float) and dim.low <= value <= dim.high  # NaN compares false
+    if isinstance(dim, IntRange):
+        return isinstance(value, int) and dim.low <= value <= dim.high
+    return any(type(v) is type(value) and v == value for v in dim.values)
+
+
+def point_problem(space: dict[str, Dimension], point: Any, *, partial: bool = False) -> str | None:
+    """What keeps `point` (hyperparameters read from a record or handed between tasks) from being a point of
+    `space`, in plain words; None when it is one. A point sets exactly the space's paths (`partial`: some of
+    them), each to a value its dimension admits: a record that sets any other config path is data trying to
+    be config (a store writer rewriting a run's model, store or tracking server)."""
+    if not isinstance(point, dict):
+        return f"its hyperparameters are not a mapping of path to value (got {_shown(point)})"
+    foreign = [p for p in point if p not in space]
+    if foreign:
+        return f"it sets {_shown(foreign[0])}, which the study does not tune; {tuned(space)}"
+    missing = [p for p in space if p not in point]
+    if missing and not partial:
+        return f"it leaves out {missing[0]}; {tuned(space)}"
+    for path, value in point.items():
+        if not admits(space[path], value):
+            return f"{path}={_shown(value)} is outside what the study tunes it over ({describe(space[path])})"
+    return None
+
+
+def tuned(space: dict[str, Dimension]) -> str:
+    """'it tunes train.lr (log-uniform [0.001, 0.1]) and ...', or that it tunes nothing."""
+    if not space:
+        return "it tunes nothing for this method (its runs take the defaults and fixed values)"
+    return "it tunes " + ", ".join(f"{p} ({describe(d)})" for p, d in space.items())
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value of a record as a message quotes it: short (a planted record may hold megabytes, or an int
+    too long for repr)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} too long to print"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

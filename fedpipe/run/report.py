@@ -121,6 +121,22 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
     }
 
 
+# A spreadsheet runs a cell that starts with = + - @ (or a tab or carriage return before one) as a formula:
+# a client named =HYPERLINK(...) in clients.csv would. OWASP's CSV-injection advice: start such a text cell
+# with a single quote, which spreadsheets show as text; the report's tables read the name back without it.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(value: str) -> str:
+    """A text cell of a CSV file that a spreadsheet shows as text and never runs as a formula."""
+    return "'" + value if value.startswith(_FORMULA_STARTS) else value
+
+
+def csv_text_read(cell: str) -> str:
+    """The text `csv_text` wrote."""
+    return cell[1:] if cell.startswith("'") and cell[1:].startswith(_FORMULA_STARTS) else cell
+
+
 def clients_csv(pers: PersonalizedResult, data: FederatedData) -> str:
     out = io.StringIO()
     w = csv.writer(out)
@@ -134,7 +150,7 @@ def clients_csv(pers: PersonalizedResult, data: FederatedData) -> str:
     for c in pers.clients:
         d, t = by_id[c.client_id], c.test[c.chosen]
         glob = "" if c.on_global_test is None else f"{c.on_global_test.accuracy:.4f}"
-        name = [data.client_names[c.client_id]] if data.client_names else []
+        name = [csv_text(data.client_names[c.client_id])] if data.client_names else []  # from the user's files
         row = [c.client_id, *name, int(c.opt_out), len(d.train), len(d.val), len(d.test), f"{t.accuracy:.4f}", f"{t.loss:.4f}", f"{t.ece:.4f}", glob]
         if label:
             row += [c.candidates[c.chosen], c.candidates[c.oracle], f"{c.test[c.oracle].accuracy:.4f}"]
@@ -237,7 +253,7 @@ def _client_rows(clients_csv_text: str) -> tuple[list[str], list[list[str]]]:
     table = list(csv.DictReader(io.StringIO(clients_csv_text)))
     chosen = next((k for k in (table[0] if table else {}) if k.startswith("chosen_")), None)
     head = ["client", "train / val / test", "accuracy", *([chosen.replace("_", " ")] if chosen else []), "opt-out"]
-    rows = [[r.get("name") or r["client"], f"{r['train']} / {r['val']} / {r['test']}", r["accuracy"],
+    rows = [[csv_text_read(r.get("name") or "") or r["client"], f"{r['train']} / {r['val']} / {r['test']}", r["accuracy"],
              *([r[chosen]] if chosen else []), "yes" if r.get("opt_out") == "1" else ""]
             for r in sorted(table, key=lambda r: float(r["accuracy"]))]
     if len(rows) > MAX_CLIENT_ROWS:

@@ -22,12 +22,20 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedpipe.algorithms import ALGORITHMS
-from fedpipe.config import MAX_PROCESSES, MAX_ROUNDS, MAX_URL_CHARS, Section, apply_override, format_validation_error
+from fedpipe.config import (
+    MAX_PROCESSES,
+    MAX_ROUNDS,
+    MAX_URL_CHARS,
+    Section,
+    apply_override,
+    format_validation_error,
+    refuse_url_credentials,
+)
 from fedpipe.data.partition.schemes import SCHEME_CONFIGS
 from fedpipe.errors import ConfigError
 from fedpipe.run.config import RunConfig
 from fedpipe.safe_load import MAX_CONFIG_BYTES, check_size, load_yaml_file, parse_yaml
-from fedpipe.search_space import COMMON_SPACE, Dimension, dimension_from_yaml
+from fedpipe.search_space import COMMON_SPACE, Dimension, dimension_from_yaml, point_problem
 
 #: Trials per method: 1,000 is far beyond what a TPE search of a few dimensions profits from.
 MAX_TRIALS = 1_000
@@ -44,6 +52,12 @@ class StudySection(Section):
     """The study's name (a Kubernetes name: lower case, digits, dashes); its records live under <store>/studies/<name>/."""
     store: str = Field("runs", max_length=MAX_URL_CHARS)
     """Folder or s3://bucket/prefix holding the study (its trials' and final runs' folders, records, report)."""
+
+    @field_validator("store")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        return refuse_url_credentials(v, "study.store", "S3 credentials go in the environment (AWS_ACCESS_KEY_ID, "
+                                      "AWS_SECRET_ACCESS_KEY; in a cluster the storage Secret).", bare_is_host=False)
 
 
 class MethodEntry(Section):
@@ -107,6 +121,13 @@ class StudyConfig(Section):
     """Time-to-accuracy target of the report (None: 95% of the best method's final accuracy)."""
     mlflow: str | None = Field(None, max_length=MAX_URL_CHARS)
     """MLflow tracking URI for the study's parent run and its nested trials (None: env MLFLOW_TRACKING_URI, else off)."""
+
+    @field_validator("mlflow")
+    @classmethod
+    def _no_mlflow_credentials(cls, v: str | None) -> str | None:
+        return v if v is None else refuse_url_credentials(
+            v, "mlflow", "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, in the "
+            "environment instead (they are sent only to MLFLOW_TRACKING_URI's server).", bare_is_host=False)
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -184,7 +205,12 @@ def split_names(study: StudyConfig, base: dict) -> dict[str, dict]:
 
 def run_tree(study: StudyConfig, base: dict, entry: MethodEntry, split: str, seed: int, params: dict[str, Any],
              *, tuning: bool) -> RunConfig:
-    """The run config of one trial (tuning: scored on validation, evaluated only at phase ends) or one final run."""
+    """The run config of one trial (tuning: scored on validation, evaluated only at phase ends) or one final run.
+    `params` come from a sampler, a record or a task's input: they may set only the method's tuned paths."""
+    problem = point_problem(entry.search_space(), params, partial=True)
+    if problem:
+        raise ConfigError(f"study {study.study.name}, method {entry.name}: {problem}. A run's hyperparameters must be a point "
+                          "of the study's search space.")
     tree = copy.deepcopy(base)  # the overrides below write into nested sections: never into the study's base
     tree["partition"] = _split_partition(base.get("partition") or {}, split_names(study, base)[split])
     # the base's method section carries over only to the method it names (another method's fields would not fit)

@@ -10,6 +10,9 @@
 
 A record is written once its run has finished, so a killed study resumes with every finished trial
 and final run reused. Records are read back bounded and type-checked: they may have been edited.
+Hyperparameters in a record are data, never config: a trial's params and the choice are checked
+against the study's own search spaces (exactly the tuned paths, each inside its range) before any run
+config is built from them, so a store writer cannot set another config path of the final runs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.safe_load import MAX_RECORD_BYTES, read_store_json
+from fedpipe.search_space import point_problem
 from fedpipe.store import Store
 from fedpipe.study.config import StudyConfig
 
@@ -78,8 +82,35 @@ class StudyRecords:
             rec = self.read(key, "trial record")
             if not (isinstance(rec.get("params"), dict) and isinstance(rec.get("number"), int) and _number_or_none(rec.get("objective"))):
                 raise CorruptArtifactError(f"{self.store.url(key)} is not a trial record (params, number, objective). {ADVICE}")
+            self._check_point(key, method, rec["params"], "trial record")
             out.append(rec)
         return sorted(out, key=lambda r: r["number"])
+
+    def chosen(self) -> dict | None:
+        """The frozen choice, {method: {split: params}} (None before it is written); each params either {} (no
+        trial finished: the defaults) or a point of the method's search space."""
+        rec = self.maybe(self.chosen_key, "study choice")
+        if rec is None:
+            return None
+        chosen, url = rec.get("chosen"), self.store.url(self.chosen_key)
+        if not (isinstance(chosen, dict) and all(isinstance(v, dict) for v in chosen.values())):
+            raise CorruptArtifactError(f"{url} is not a study choice ('chosen': method -> split -> hyperparameters). {ADVICE}")
+        methods = [e.name for e in self.study.methods]
+        for method, splits in chosen.items():
+            if method not in methods:
+                raise CorruptArtifactError(f"{url} chooses for method {method[:60]!r}, which is not in the study "
+                                           f"(its methods: {', '.join(methods)}). {ADVICE}")
+            for params in splits.values():
+                if params != {}:  # {}: every trial failed, the final runs take the defaults
+                    self._check_point(self.chosen_key, method, params, "study choice")
+        return chosen
+
+    def _check_point(self, key: str, method: str, params, what: str) -> None:
+        entry = next(e for e in self.study.methods if e.name == method)
+        problem = point_problem(entry.search_space(), params)
+        if problem:
+            raise CorruptArtifactError(f"{self.store.url(key)} is not a {what} of this study: for {method}, {problem}. "
+                                       f"A record's hyperparameters must be a point of the study's search space. {ADVICE}")
 
     def final(self, method: str, split: str, seed: int) -> dict | None:
         """A final run's record (None before it has run), checked for what the report reads."""

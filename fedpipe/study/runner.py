@@ -58,11 +58,11 @@ def tuners_of(study: StudyConfig, base: dict, records: StudyRecords) -> list[Met
 
 def tune(study: StudyConfig, base: dict, records: StudyRecords, pool: Executor, progress: bool = True) -> dict:
     """Every method's trials on every split (resumed from their records), then the frozen choice."""
-    frozen = records.maybe(records.chosen_key, "study choice")
+    frozen = records.chosen()  # checked against the study's search spaces: a record is data, not config
     if frozen is not None:
         log.info("Study %s: the choice was frozen earlier (%s); tuning is not run again.", study.study.name,
                  records.store.url(records.chosen_key))
-        return frozen["chosen"]
+        return frozen
     tuners = tuners_of(study, base, records)
     bar = tqdm(total=sum(t.left for t in tuners), desc="tuning trials", unit="trial", disable=not progress)
     pending: dict[Future, tuple] = {}

@@ -104,4 +104,5 @@ class MethodTuner:
         scored = [r for r in self.finished if r.get("objective") is not None]
         if not scored:
             return {}
-        return dict(max(scored, key=lambda r: (r["objective"], -r["number"]))["params"])
+        best = max(scored, key=lambda r: (r["objective"], -r["number"]))["params"]
+        return {p: best[p] for p in self.space if p in best}  # the tuned paths only, whatever else a record holds

@@ -27,7 +27,10 @@ Which server and which MLflow run:
 - otherwise the sink continues the RUNNING MLflow run tagged with the same ``fedpipe.run_id`` (and
   parent), so a run's phases, a resumed run and its evaluation land in one MLflow run; or creates one.
 - credentials: MLflow's own variables (``MLFLOW_TRACKING_TOKEN``, ``MLFLOW_TRACKING_USERNAME`` and
-  ``MLFLOW_TRACKING_PASSWORD``, ...), which the client reads itself; never in the URI.
+  ``MLFLOW_TRACKING_PASSWORD``, ...), which the client reads itself; never in the URI. They belong to the
+  server of ``MLFLOW_TRACKING_URI`` (scheme, host and port): a call to any other server (a
+  ``telemetry.mlflow`` or a study's ``mlflow:`` naming another one) runs with them hidden (`CREDENTIAL_ENV`
+  out of the environment, the ``~/.mlflow/credentials`` file unread), with one warning naming both servers.
 
 fedpipe's own MLflow calls run with short HTTP settings (`HTTP_SETTINGS`: 2 retries, a 15 s timeout,
 instead of MLflow's 7 retries over minutes; no "View run" line on stdout), set in the environment only around each call and only
@@ -51,6 +54,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from fedpipe.telemetry.events import PhaseEvent, RoundEvent
 
@@ -60,6 +64,7 @@ __all__ = [
     "MlflowSink",
     "finish_run",
     "flat_params",
+    "is_trusted",
     "log_artifacts",
     "start_parent_run",
     "resolve_tracking_uri",
@@ -89,9 +94,18 @@ HTTP_SETTINGS = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 RETRY_AFTER_SECONDS = 300.0  # a server that failed is skipped this long by later sinks of the process
+#: What the MLflow client sends as credentials, read from the environment on every request
+#: (mlflow.utils.credentials.get_default_host_creds, also by the artifact repositories): a token or a user
+#: and password, an auth plugin (kubernetes: the pod's service-account token), AWS SigV4 signing, a TLS client certificate
+CREDENTIAL_ENV = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_AUTH",
+                  "MLFLOW_TRACKING_AWS_SIGV4", "MLFLOW_TRACKING_CLIENT_CERT_PATH")
 
 _down: dict[str, float] = {}  # tracking URI -> time.monotonic() of its last failure (process-wide)
 _env_lock = threading.Lock()
+# one fedpipe MLflow call at a time: a call to a foreign server hides the credentials process-wide, and a call
+# to the trusted server in another thread meanwhile would go without them
+_call_lock = threading.RLock()
+_warned_foreign: set[str] = set()  # servers already warned about (once a process)
 
 
 def resolve_tracking_uri(configured: str | None) -> str | None:
@@ -134,6 +148,55 @@ def _short_http() -> Iterator[None]:
                 os.environ.pop(name, None)
 
 
+def _origin(uri: str) -> str | None:
+    """scheme://host:port of an HTTP(S) URI (the port spelled out), None for anything else (a file store, sqlite, databricks)."""
+    parts = urlsplit(uri.strip())
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:  # a port that is not a number: no server of ours
+        return None
+    return f"{scheme}://{parts.hostname}:{port}" if scheme in ("http", "https") and parts.hostname else None
+
+
+def is_trusted(uri: str) -> bool:
+    """Whether MLflow's credentials may go to `uri`: it is MLFLOW_TRACKING_URI's server (same scheme, host and port)."""
+    home = os.environ.get(ENV_TRACKING_URI, "").strip()
+    if not home:
+        return False
+    return uri.strip() == home or (_origin(uri) is not None and _origin(uri) == _origin(home))
+
+
+def _has_credentials() -> bool:
+    return any(os.environ.get(name) for name in CREDENTIAL_ENV) or os.path.isfile(os.path.expanduser("~/.mlflow/credentials"))
+
+
+@contextmanager
+def _credentials_for(uri: str) -> Iterator[None]:
+    """MLflow's credentials as they are for MLFLOW_TRACKING_URI's server; hidden for any other (the caller holds `_call_lock`)."""
+    if is_trusted(uri) or not _has_credentials():
+        yield
+        return
+    if (_origin(uri) or uri) not in _warned_foreign:
+        _warned_foreign.add(_origin(uri) or uri)
+        home = os.environ.get(ENV_TRACKING_URI, "").strip()
+        log.warning("MLflow at %s is not the server of %s (%s): fedpipe sends it none of MLflow's credentials (%s, the "
+                    "~/.mlflow/credentials file). If that server is yours, set %s to it.", _origin(uri) or uri, ENV_TRACKING_URI,
+                    (_origin(home) or "a server without a host") if home else "unset", ", ".join(CREDENTIAL_ENV), ENV_TRACKING_URI)
+    import mlflow.utils.credentials as mlflow_credentials
+
+    with _env_lock:
+        hidden = {name: os.environ.pop(name) for name in CREDENTIAL_ENV if name in os.environ}
+    read_file = mlflow_credentials.read_mlflow_creds  # the username and password fall back to ~/.mlflow/credentials
+    mlflow_credentials.read_mlflow_creds = lambda: mlflow_credentials.MlflowCreds(None, None)
+    try:
+        yield
+    finally:
+        mlflow_credentials.read_mlflow_creds = read_file
+        with _env_lock:
+            os.environ.update(hidden)
+
+
 class _Server:
     """One tracking server as fedpipe talks to it: a lazily made client, one warning, no call after a failure."""
 
@@ -152,7 +215,7 @@ class _Server:
             log.debug("MLflow at %s failed %.0f s ago; not trying to %s.", self.uri, time.monotonic() - failed_at, what)
             return None
         try:
-            with _short_http():
+            with _call_lock, _short_http(), _credentials_for(self.uri):
                 if self.client is None:
                     from mlflow.tracking import MlflowClient
 
