@@ -745,7 +745,9 @@ def models_list(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = N
         return
     promoted = _promoted_or_warn(line)
     typer.echo(f"model line {name} in {line.store.url()}: {len(versions)} version(s), promoted: {promoted or 'none'}")
-    for n, claim in line.abandoned():
+    from fedpipe.models.line import abandoned
+
+    for n, claim in abandoned(line):
         typer.echo(f"  v{n:<4} claimed {claim.get('time', '?')} by run {claim.get('run_id', '?')} but never registered (a "
                    f"registration that died, or one still writing): `fedpipe models clean {name}` removes its files", err=True)
     for v in versions:
@@ -789,7 +791,9 @@ def models_clean(name: LineArg, older_than_hours: Annotated[float, typer.Option(
     """Remove the files of version numbers that were claimed but never registered (a registration that crashed
     between taking its number and writing its record). Registered versions are never touched."""
     line = _model_line(name, store, config, set)
-    removed = line.remove_abandoned(older_than_hours * 3600)
+    from fedpipe.models.line import remove_abandoned
+
+    removed = remove_abandoned(line, older_than_hours * 3600)
     typer.echo(f"model line {name}: removed the files of {len(removed)} abandoned number(s)"
                + (f": {', '.join(f'v{n}' for n in removed)}" if removed else ""))
 

@@ -16,7 +16,7 @@ from test_model_line import _record
 from fedpipe.data.files import check_files, load_files
 from fedpipe.data.files import tables as tables_module
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
-from fedpipe.models.line import ModelLine
+from fedpipe.models.line import ModelLine, abandoned, remove_abandoned
 from fedpipe.models.publish import finish_promotion
 from fedpipe.store import open_store
 
@@ -97,9 +97,9 @@ def test_an_abandoned_claim_is_listed_and_cleaned(line, tmp_path):
 
     line.store.create(line.keys.claim(3), b'{"run_id": "crashed", "time": "2026-01-01T00:00:00+00:00"}')
     line.store.put(line.keys.version(3) + "state.pt", b"half written")  # died before its record
-    assert [n for n, _ in line.abandoned()] == [3]
+    assert [n for n, _ in abandoned(line)] == [3]
     listed = CliRunner().invoke(app, ["models", "list", "digits", "--store", str(tmp_path)])
     assert listed.exit_code == 0 and "v3" in listed.output and "crashed" in listed.output and "never registered" in listed.output
-    assert line.remove_abandoned(older_than_seconds=3600) == [3] and line.abandoned() == []
+    assert remove_abandoned(line, older_than_seconds=3600) == [3] and abandoned(line) == []
     assert line.versions() == [1, 2] and line.store.list(line.keys.version(3)) == []
     assert line.register(_record("run-4"), {"spec.json": b"{}"}).version == 3  # the number is free again

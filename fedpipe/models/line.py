@@ -372,38 +372,6 @@ class ModelLine:
             raise _bad(where, f"it says version {record.version} but lies in the folder of version {version}")
         return record, sha256_hex(data)
 
-    def abandoned(self) -> list[tuple[int, dict]]:
-        """Numbers claimed without a record (a registration that died between its claim and its record, or one
-        still writing), with what their claim says ({run_id, time}); a damaged claim says {}."""
-        keys = self.store.list(self.keys.versions)
-        recorded = set(self.keys.numbers(keys, "version.json"))
-        out = []
-        for n in self.keys.numbers(keys, "claim.json"):
-            if n in recorded:
-                continue
-            try:
-                claim = parse_json(self.store.get(self.keys.claim(n)), self.store.url(self.keys.claim(n)), "claim",
-                                   MAX_POINTER_BYTES, CorruptArtifactError)
-            except (CorruptArtifactError, StoreError):
-                claim = {}
-            out.append((n, claim if isinstance(claim, dict) else {}))
-        return out
-
-    def remove_abandoned(self, older_than_seconds: float) -> list[int]:
-        """Delete the files of numbers claimed without a record longer ago than `older_than_seconds` (a
-        registration still writing is younger); returns the numbers removed. Versions are never touched."""
-        now, removed = datetime.now(UTC), []
-        for n, claim in self.abandoned():
-            try:
-                age = (now - datetime.fromisoformat(str(claim.get("time")))).total_seconds()
-            except (TypeError, ValueError):
-                age = float("inf")  # a damaged claim: no registration can be writing under it
-            if age >= older_than_seconds and not self.store.exists(self.keys.record(n)):
-                for key in self.store.list(self.keys.version(n)):
-                    self.store.delete(key)
-                removed.append(n)
-        return removed
-
     def register(self, record_without_version: VersionRecord, files: dict[str, bytes]) -> VersionRecord:
         """Write `files` (relative keys: state.pt, global.pt2, clients/<c>.pt2, spec.json) under the next
         version, then its record (created last, with a precondition): the version exists once its record
@@ -518,3 +486,37 @@ def _file_key(name: str, rel: str) -> str:
     if rel in RESERVED_FILES:
         raise ConfigError(f"{rel!r} is written by the model line itself; a version's files cannot use that name.")
     return rel
+
+
+def abandoned(line: ModelLine) -> list[tuple[int, dict]]:
+    """Numbers claimed without a record (a registration that died between its claim and its record, or one
+    still writing), with what their claim says ({run_id, time}); a damaged claim says {}."""
+    keys = line.store.list(line.keys.versions)
+    recorded = set(line.keys.numbers(keys, "version.json"))
+    out = []
+    for n in line.keys.numbers(keys, "claim.json"):
+        if n in recorded:
+            continue
+        try:
+            claim = parse_json(line.store.get(line.keys.claim(n)), line.store.url(line.keys.claim(n)), "claim",
+                               MAX_POINTER_BYTES, CorruptArtifactError)
+        except (CorruptArtifactError, StoreError):
+            claim = {}
+        out.append((n, claim if isinstance(claim, dict) else {}))
+    return out
+
+
+def remove_abandoned(line: ModelLine, older_than_seconds: float) -> list[int]:
+    """Delete the files of numbers claimed without a record longer ago than `older_than_seconds` (a
+    registration still writing is younger); returns the numbers removed. Versions are never touched."""
+    now, removed = datetime.now(UTC), []
+    for n, claim in abandoned(line):
+        try:
+            age = (now - datetime.fromisoformat(str(claim.get("time")))).total_seconds()
+        except (TypeError, ValueError):
+            age = float("inf")  # a damaged claim: no registration can be writing under it
+        if age >= older_than_seconds and not line.store.exists(line.keys.record(n)):
+            for key in line.store.list(line.keys.version(n)):
+                line.store.delete(key)
+            removed.append(n)
+    return removed
