@@ -845,10 +845,13 @@ def models_rollback(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt
 def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help="Images (PNG, JPEG) for an image model; CSV files of raw feature rows for a table model.")],
             model: Annotated[str, typer.Option("--model", help="NAME or NAME@VERSION of a model line (default version: the promoted one).")],
             client: Annotated[Optional[str], typer.Option("--client", help="The client whose personalized model predicts: its name for data with its own clients (a site), else its number. Default: the global model.")] = None,
+            trust_unsigned: Annotated[bool, typer.Option("--trust-unsigned", help="Read a model line without signatures (FEDPIPE_SIGNING_KEY unset): only if you trust everyone who can write its store. A .pt2 holding pickled code, and TorchScript, are refused all the same.")] = False,
             store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
     """Predict with an exported model, as a server would: only torch loads it (torch.export's .pt2, or TorchScript),
     and it takes raw inputs (the normalisation the run applied is inside it). Prints `file  label  probability`
-    per image, or per CSV row (file:line). Examples:
+    per image, or per CSV row (file:line). The line must be signed (FEDPIPE_SIGNING_KEY, the key its runs signed
+    with) unless --trust-unsigned; a .pt2 is checked to hold no pickle and no code before torch loads it, and
+    TorchScript is loaded from a signed line only. Examples:
 
         fedpipe predict --model sites --client hospital-a scan1.png scan2.png
 
@@ -856,12 +859,18 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
     """
     import torch
 
-    from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, load_exported, read_inputs
+    from fedpipe.models.export import MAX_SERVED_MODEL_BYTES, MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, load_exported, read_inputs
 
     line, version = _line_and_version(model, store, config, set, default_latest=False)
+    signed = _signed_or_trusted(line, trust_unsigned)
     spec = ServingSpec.from_bytes(line.read(version, SPEC_FILE, MAX_SPEC_BYTES), line.store.url(line.keys.version(version) + SPEC_FILE))
     served = spec.served(client)
-    net = load_exported(line.read(version, served.file, 2**34), served.format)
+    where = line.store.url(line.keys.version(version) + served.file)
+    size = line.store.size(line.keys.version(version) + served.file) or 0
+    if size > MAX_SERVED_MODEL_BYTES:
+        raise FedpipeError(f"{where} is {size / 2**30:.1f} GiB; predict reads a model whole and takes at most "
+                           f"{MAX_SERVED_MODEL_BYTES // 2**30} GiB. Serve it with torch.export.load on a machine sized for it.")
+    net = load_exported(line.read(version, served.file, MAX_SERVED_MODEL_BYTES), served.format, where, signed=signed)
     names, x = read_inputs(spec, [str(f) for f in files])
     with torch.no_grad():
         probs = torch.softmax(net(x).double(), dim=1)
@@ -870,6 +879,24 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
     for row, p, i in zip(names, best.tolist(), index.tolist()):
         label = spec.labels[i] if i < len(spec.labels) else str(i)
         typer.echo(f"{row:<{width}}  {label}  {p:.4f}")
+
+
+def _signed_or_trusted(line, trust_unsigned: bool) -> bool:
+    """Whether the line's objects are verified against the signing key; an unsigned line is refused unless the
+    user trusts whoever can write its store (--trust-unsigned)."""
+    import os
+
+    from fedpipe.store.signed import ENV_ALLOW_UNSIGNED, ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, verifies_signatures
+
+    if verifies_signatures(line.store) or trust_unsigned:
+        return verifies_signatures(line.store)
+    why = (f"{ENV_ALLOW_UNSIGNED} lets unsigned objects through" if os.environ.get(ENV_ALLOW_UNSIGNED)
+           else f"neither {ENV_SIGNING_KEY} nor {ENV_SIGNING_KEY_FILE} is set")
+    raise FedpipeError(
+        f"Model line {line.name!r} in {line.store.url()} is read without signature checks ({why}), so anyone who can "
+        f"write that store could have replaced its models, and predict refuses it. Set {ENV_SIGNING_KEY} (or "
+        f"{ENV_SIGNING_KEY_FILE}) to the key the line's runs signed with; or, if you trust everyone who can write "
+        "that store, pass --trust-unsigned.")
 
 
 # --- studies: many runs of many methods, tuned on validation, repeated over seeds -----------------------

@@ -121,7 +121,7 @@ def nets(tmp_path, monkeypatch) -> Path:
     (root / "mynets" / "__init__.py").write_text("from mynets.models import build  # re-exported inside its own package\n")
     (root / "mynets" / "models.py").write_text(textwrap.dedent(NETS))
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delenv(imported.PACKAGES_ENV, raising=False)
+    monkeypatch.setenv(imported.PACKAGES_ENV, "mynets,nothere")  # what a derived image sets (nothere: not installed)
     yield root
     for name in [m for m in sys.modules if m == "mynets" or m.startswith("mynets.")]:
         del sys.modules[name]
@@ -190,9 +190,12 @@ def test_the_allowed_packages_variable_limits_where_models_come_from(nets, monke
     assert "mynets" not in sys.modules  # refused before anything was imported
     monkeypatch.setenv(imported.PACKAGES_ENV, "othernets,mynets")
     assert build_model("mynets.models:build", IMAGES, 3).head.out_features == 3
-    monkeypatch.setenv(imported.PACKAGES_ENV, "")  # set and empty: no package
-    with pytest.raises(ConfigError, match="lists the packages models may come from: none"):
-        build_model("mynets.models:build", IMAGES, 3)
+    for unset in (lambda: monkeypatch.setenv(imported.PACKAGES_ENV, ""), lambda: monkeypatch.delenv(imported.PACKAGES_ENV)):
+        unset()  # unset or empty: fail closed, only the bundled models
+        with pytest.raises(ConfigError, match=r"FEDPIPE_MODEL_PACKAGES is unset or empty, so only fedpipe's bundled models "
+                                              r"are built: allow your package with `export FEDPIPE_MODEL_PACKAGES=mynets`"):
+            build_model("mynets.models:build", IMAGES, 3)
+    assert build_model("twonn", IMAGES, 3) is not None  # the bundled ones need no variable
 
 
 @pytest.mark.parametrize("value, message", [

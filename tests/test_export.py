@@ -174,7 +174,7 @@ def test_a_table_model_takes_raw_feature_rows_and_predicts_a_csv(tmp_path):
     raw = run.bundle.train.x[client.test[:5]]
     csv = tmp_path / "rows.csv"
     csv.write_text("f" + ",f".join(map(str, range(30))) + "\n" + "\n".join(",".join(repr(float(v)) for v in row) for row in raw) + "\n")
-    done = CliRunner().invoke(app_(), ["predict", "--model", "served", "--client", "branch-2", "--store", str(run.store.url()), str(csv)])
+    done = CliRunner().invoke(app_(), ["predict", "--trust-unsigned", "--model", "served", "--client", "branch-2", "--store", str(run.store.url()), str(csv)])
     assert done.exit_code == 0, done.output
     lines = done.output.strip().splitlines()
     assert [line.split()[0] for line in lines] == [f"{csv}:{n}" for n in range(2, 7)]
@@ -192,7 +192,7 @@ def test_predict_reads_image_files_for_a_sites_model(tmp_path):
     _register(run, files, clients)
     pngs = sorted((source / SITES[0]).rglob("*.png"))[:4]
     runner = CliRunner()
-    done = runner.invoke(app_(), ["predict", "--model", "served@1", "--client", SITES[0], "--store", str(run.store.url()), *map(str, pngs)])
+    done = runner.invoke(app_(), ["predict", "--trust-unsigned", "--model", "served@1", "--client", SITES[0], "--store", str(run.store.url()), *map(str, pngs)])
     assert done.exit_code == 0, done.output
     rows = [line.split() for line in done.output.strip().splitlines()]
     assert [r[0] for r in rows] == list(map(str, pngs)) and all(0 < float(r[2]) <= 1 for r in rows)
@@ -208,7 +208,7 @@ def test_predict_reads_image_files_for_a_sites_model(tmp_path):
     with eval_mode(algorithm.model):
         expected = algorithm.forward(chosen, x).argmax(1)
     assert [r[1] for r in rows] == [spec.labels[i] for i in expected]
-    unknown = runner.invoke(app_(), ["predict", "--model", "served", "--client", "nowhere", "--store", str(run.store.url()), str(pngs[0])])
+    unknown = runner.invoke(app_(), ["predict", "--trust-unsigned", "--model", "served", "--client", "nowhere", "--store", str(run.store.url()), str(pngs[0])])
     assert unknown.exit_code == 2 and "No client 'nowhere'" in unknown.output and SITES[0] in unknown.output
 
 

@@ -11,7 +11,9 @@ whose softmax is the same probabilities):
 
 It is saved with `torch.export` (a .pt2 archive: `torch.export.load(f).module()`); where a method's network
 cannot be exported, with `torch.jit.trace` (TorchScript: `torch.jit.load(f)`), and `spec.json` says which
-per file. The batch dimension is dynamic. A client's feature shift (a simulation of its data) is not part of
+per file. fedpipe loads such a file back (`load_exported`: `fedpipe predict`, and each exporter's own check) only
+after `safe_pt2` checked that it holds no pickle and no code, and TorchScript only from a signed line. The
+batch dimension is dynamic. A client's feature shift (a simulation of its data) is not part of
 its model: a server feeds the client's inputs as they come.
 
 `export_run` exports a finished run: the global model (methods that have one) and every client's CHOSEN
@@ -38,7 +40,8 @@ from torch import nn
 from fedpipe.algorithms.base import Algorithm, Params
 from fedpipe.data.federated import input_standardisation, prepare_data
 from fedpipe.engine.evaluation import eval_mode, evaluate_personalized
-from fedpipe.errors import CorruptArtifactError, FedpipeError
+from fedpipe.errors import ArtifactSignatureError, CorruptArtifactError, FedpipeError
+from fedpipe.models.safe_pt2 import checked_pt2
 from fedpipe.safe_load import parse_json
 
 if TYPE_CHECKING:
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 SPEC_FORMAT = "fedpipe.serving-spec/1"
 SPEC_FILE = "spec.json"
 MAX_SPEC_BYTES = 64 * 2**20  # a spec lists every client: ~200 bytes each, 10,000 clients are ~2 MB
+#: One served model file, read whole: the bundled networks export to well under 10 MB and a ResNet-50 to ~100 MB;
+#: a larger network of one's own is served by loading its file with torch on a machine sized for it.
+MAX_SERVED_MODEL_BYTES = 2 * 2**30
 PT2, TORCHSCRIPT = "pt2", "torchscript"
 SUFFIX = {PT2: ".pt2", TORCHSCRIPT: ".ts.pt"}
 RAW_INPUT = {
@@ -132,7 +138,7 @@ def export_model(module: nn.Module, example: torch.Tensor) -> Exported:
         for fmt, exporter, export, load in EXPORTERS:
             try:
                 data = export(module, example)
-                loaded = load(io.BytesIO(data))
+                loaded = load(data)
                 _check_same(loaded(example), expected)
                 _check_same(loaded(bigger), expected_bigger)
             except Exception as e:  # noqa: BLE001 - any failure of an exporter means: try the next one
@@ -168,8 +174,13 @@ def _export_pt2(module: nn.Module, example: torch.Tensor, draft: bool = False) -
     return buf.getvalue()
 
 
-def _load_pt2(f) -> Any:
-    return torch.export.load(f).module()
+def _load_pt2(data: bytes) -> Any:
+    # loaded as a server loads it (checked first): a program the check refuses is never exported as .pt2
+    return load_exported(data, PT2, "the exported program", max_bytes=max(MAX_SERVED_MODEL_BYTES, 2 * len(data)))
+
+
+def _load_own_torchscript(data: bytes) -> Any:
+    return torch.jit.load(io.BytesIO(data), map_location="cpu")  # bytes this process just wrote, never a stranger's
 
 
 def _export_torchscript(module: nn.Module, example: torch.Tensor) -> bytes:
@@ -190,7 +201,7 @@ def _export_torchscript(module: nn.Module, example: torch.Tensor) -> bytes:
 EXPORTERS = (
     (PT2, "torch.export", _export_pt2, _load_pt2),
     (PT2, "torch.export.draft_export", lambda module, example: _export_pt2(module, example, draft=True), _load_pt2),
-    (TORCHSCRIPT, "torch.jit.trace", _export_torchscript, torch.jit.load),
+    (TORCHSCRIPT, "torch.jit.trace", _export_torchscript, _load_own_torchscript),
 )
 
 
@@ -199,11 +210,21 @@ def _check_same(got: torch.Tensor, expected: torch.Tensor) -> None:
         raise ExportError(f"the exported model's outputs differ from the model's (shape {tuple(got.shape)} vs {tuple(expected.shape)})")
 
 
-def load_exported(data: bytes, fmt: str) -> Any:
-    """A callable model from an exported file's bytes, with torch alone (what a server does)."""
+def load_exported(data: bytes, fmt: str, where: str, *, signed: bool = False, max_bytes: int | None = None) -> Any:
+    """A callable model from an exported file's bytes, with torch alone (what a server does). A .pt2 archive is
+    checked and rebuilt first (`safe_pt2`: no pickle, no code; its entries expand to at most `max_bytes`).
+    TorchScript is loaded only when `signed` (its bytes verified against the line's signing key): torch.jit.load
+    reads pickled data and compiles the code inside the file, which no check here can make safe."""
     if fmt == PT2:
-        return torch.export.load(io.BytesIO(data)).module()
+        archive = checked_pt2(data, where, max_bytes or MAX_SERVED_MODEL_BYTES)
+        return torch.export.load(io.BytesIO(archive)).module()
     if fmt == TORCHSCRIPT:
+        if not signed:
+            raise ArtifactSignatureError(
+                f"{where} is TorchScript, which torch.jit.load runs code from, and it comes from a model line without "
+                "signatures, so it is refused. Sign the line (set FEDPIPE_SIGNING_KEY or FEDPIPE_SIGNING_KEY_FILE for the "
+                "runs that register it and for this command; the chart turns signing on by default) and register the run "
+                "again; or, if you trust everyone who can write the store, load the file yourself with torch.jit.load.")
         return torch.jit.load(io.BytesIO(data), map_location="cpu").eval()
     raise CorruptArtifactError(f"unknown exported model format {fmt!r} (known: {PT2}, {TORCHSCRIPT})")
 

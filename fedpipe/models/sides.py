@@ -24,8 +24,10 @@ from fedpipe.data.federated import prepare_data
 from fedpipe.data.partition import Partition, make_partition
 from fedpipe.engine.evaluation import evaluate_global, evaluate_personalized
 from fedpipe.engine.state import PhaseState
+from fedpipe.errors import ConfigError
 from fedpipe.models.line import ModelLine, VersionRecord
 from fedpipe.models.warm import STATE_FILE, state_limit_for, version_client_names
+from fedpipe.nn.imported import is_import_path, policy_problem
 from fedpipe.nn.networks import build_model
 from fedpipe.run.config import RunConfig
 from fedpipe.run.run import Run
@@ -97,6 +99,7 @@ def champion_side(run: Run, line: ModelLine, record: VersionRecord, cfg: RunConf
     """Version `record`'s models with `data` (its own drop's bundle and partition, or the candidate's when its
     drop cannot be read); its states re-keyed to `data`'s client ids by name (clients `data` lacks are left out)."""
     device = run.device
+    check_recorded_model(record, line.name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.run.seed, "init-global"))
         model = build_model(record.spec.model, record.spec.input_shape, record.spec.num_classes).to(device)
@@ -110,6 +113,14 @@ def champion_side(run: Run, line: ModelLine, record: VersionRecord, cfg: RunConf
     to_data = {c: target[n] for c, n in names.items() if n in target}
     server = replace(state.server, per_client={to_data[c]: p for c, p in state.server.per_client.items() if c in to_data})
     return Side(algorithm, server, {to_data[c]: p for c, p in state.clients.items() if c in to_data}, bundle, partition)
+
+
+def check_recorded_model(record: VersionRecord, line: str) -> None:
+    """A version record's model name (a bucket writer can plant one) passes this deployment's import policy
+    before anything is imported (FEDPIPE_MODEL_PACKAGES, `fedpipe.nn.imported`)."""
+    if is_import_path(record.spec.model) and (problem := policy_problem(record.spec.model)):
+        raise ConfigError(f"Model line {line!r} version {record.version}'s record names its model by import path, and it "
+                          f"is refused: {problem}. Nothing was imported, registered or promoted.")
 
 
 def version_data(record_cfg: RunConfig) -> tuple[DatasetBundle, Partition]:

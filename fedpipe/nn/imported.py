@@ -18,8 +18,12 @@ installed the image, and importing a module runs its code; so before anything is
 - the name must be `module:attribute` with Python identifiers only, none starting with `_`;
 - the module must not be part of Python's standard library (`sys.stdlib_module_names`), of fedpipe,
   or of the libraries fedpipe runs on (`REFUSED_PACKAGES`: torch, numpy, kfp, ...);
-- with the environment variable FEDPIPE_MODEL_PACKAGES set (comma-separated top-level package names;
-  the platform team sets it in the derived image), the module's top-level package must be listed;
+- the module's top-level package must be listed in the environment variable FEDPIPE_MODEL_PACKAGES
+  (comma-separated top-level package names): the derived image that installs the package sets it
+  (`ENV FEDPIPE_MODEL_PACKAGES=mypackage`), and so does whoever runs their own network on a laptop.
+  Unset or empty, no package is allowed and only fedpipe's bundled models are built (fail closed: the
+  name can also come from a study's records or a model line's version record, which a bucket writer
+  can plant);
 
 and after the import the attribute must be a function or class defined in that top-level package (a
 function of another package imported into it, such as `os.system`, is refused).
@@ -94,12 +98,9 @@ def import_path_problem(name: str) -> str | None:
     return None
 
 
-def allowed_packages() -> frozenset[str] | None:
-    """The top-level packages FEDPIPE_MODEL_PACKAGES allows (None: the variable is unset, any package
-    not refused by `import_path_problem` may be imported; set but empty: none)."""
-    value = os.environ.get(PACKAGES_ENV)
-    if value is None:
-        return None
+def allowed_packages() -> frozenset[str]:
+    """The top-level packages FEDPIPE_MODEL_PACKAGES allows; unset or empty: none (only the bundled models)."""
+    value = os.environ.get(PACKAGES_ENV) or ""
     return frozenset(p.strip() for p in value.split(",") if p.strip())
 
 
@@ -108,13 +109,15 @@ def policy_problem(name: str) -> str | None:
     problem = import_path_problem(name)
     if problem:
         return problem
-    allowed = allowed_packages()
-    top = _parts(name)[2]
-    if allowed is not None and top not in allowed:
-        listed = ", ".join(sorted(allowed)) or "none"
-        return (f"model.name={name!r} names package {top!r}, which this deployment does not allow: {PACKAGES_ENV} "
-                f"(set by the platform team in the image) lists the packages models may come from: {listed}")
-    return None
+    allowed, top = allowed_packages(), _parts(name)[2]
+    if top in allowed:
+        return None
+    if not allowed:
+        return (f"model.name={name!r} names package {top!r}, but {PACKAGES_ENV} is unset or empty, so only fedpipe's bundled "
+                f"models are built: allow your package with `export {PACKAGES_ENV}={top}` (in a derived image: "
+                f"`ENV {PACKAGES_ENV}={top}`), where the run's tasks run")
+    return (f"model.name={name!r} names package {top!r}, which this deployment does not allow: {PACKAGES_ENV} "
+            f"(set by the platform team in the image) lists the packages models may come from: {', '.join(sorted(allowed))}")
 
 
 def _import(name: str, module_name: str):

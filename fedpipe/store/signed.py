@@ -60,6 +60,7 @@ __all__ = [
     "allow_unsigned_from_env",
     "signing_from_env",
     "signing_key_from_env",
+    "verifies_signatures",
 ]
 
 log = logging.getLogger(__name__)
@@ -280,3 +281,9 @@ def signing_from_env(env: Mapping[str, str] | None = None) -> Callable[[Store], 
         return lambda store: store
     allow_unsigned = allow_unsigned_from_env(env)
     return lambda store: SignedStore(store, secret, allow_unsigned=allow_unsigned)
+
+
+def verifies_signatures(store: Store) -> bool:
+    """Whether every object read through `store` was verified against the signing key: a SignedStore that does
+    not let unsigned objects through (FEDPIPE_SIGNING_ALLOW_UNSIGNED unset)."""
+    return isinstance(store, SignedStore) and not store.allow_unsigned
