@@ -81,6 +81,8 @@ def test_default_render_has_exactly_the_default_pieces(render_chart):
             # what `fedpipe unschedule` calls, for an upgrade that empties schedule.cron
             "Role/fedpipe-unschedule",
             "RoleBinding/fedpipe-unschedule",
+            # the artifact signing key, generated at install (signing is on by default)
+            "Secret/fedpipe-signing",
             "Service/fedpipe-pushgateway",
             "ServiceAccount/fedpipe",
         ]
@@ -205,6 +207,7 @@ def test_registration_job_compiles_the_pipeline_from_the_values(render_chart):
         "--method=superfed_mm",
         "--name=fedpipe-superfed-mm",
         *DEFAULT_DEPLOY_ARGS,
+        "--signing-secret=fedpipe-signing",  # signing is on by default
         "--config=/etc/fedpipe/config.yaml",
     ]
     # The chart's defaults are the pipeline's: one GPU per training task, the same CPU/memory.

@@ -24,7 +24,7 @@ from fedpipe.pipelines.builder import DeployOptions, compile_pipeline, shipped_p
 
 SCHEMAS = REPO / "tests" / "deploy" / "schemas"
 FILES = CHART / "files" / "pipelines"
-NATIVE = ["--set", "nativeMode.enabled=true", "--set", "register.enabled=false"]
+NATIVE = ["--set", "nativeMode.enabled=true", "--set", "register.enabled=false", "--set", "signing.enabled=false"]  # it cannot sign yet
 GROUP_VERSION = "pipelines.kubeflow.org/v2beta1"
 EXTERNAL_PUSHGATEWAY = "http://prometheus-pushgateway.monitoring:9091"
 CHART_PUSHGATEWAY = f"http://{RELEASE}-pushgateway.{NAMESPACE}:9091"
@@ -529,7 +529,7 @@ def test_native_mode_embeds_what_the_registration_job_would_register(render_char
             "runConfig.train.rounds=3",
         ],
     }[scenario]
-    job = _job_compile(render_chart, tmp_path, args)
+    job = _job_compile(render_chart, tmp_path, [*args, "--set", "signing.enabled=false"])  # native mode cannot sign yet
     rendered = version_of(native(render_chart, *args))["spec"]
     assert_same_version(rendered, job)
 
@@ -599,7 +599,7 @@ def test_values_land_where_the_driver_reads_them(render_chart, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--set", "nativeMode.enabled=true"], "set register.enabled=false as well"),
+        (["--set", "nativeMode.enabled=true", "--set", "signing.enabled=false"], "set register.enabled=false as well"),
         ([*NATIVE, "--set", "schedule.cron=0 0 3 * * *"], "schedule.cron (0 0 3 * * *) needs the registration Job"),
         (
             [*NATIVE, "--set", "pytorchJob.enabled=true", "--set", "pytorchJob.phase=personalization"],
@@ -660,7 +660,8 @@ def test_what_a_precompiled_pipeline_cannot_do_fails_with_a_message(helm: str, a
 def test_helm_lint_strict_passes_with_native_mode(helm: str, tmp_path):
     values = tmp_path / "native.yaml"
     values.write_text(
-        yaml.safe_dump({"nativeMode": {"enabled": True}, "register": {"enabled": False}, "runConfig": CHANGED_CONFIG})
+        yaml.safe_dump({"nativeMode": {"enabled": True}, "register": {"enabled": False}, "signing": {"enabled": False},
+                        "runConfig": CHANGED_CONFIG})
     )
     out = run_tool([helm, "lint", str(CHART), "--strict", "-f", str(values)]).stdout
     assert "0 chart(s) failed" in out, out

@@ -27,18 +27,31 @@ def signing_flags(docs: list[dict]) -> list[str]:
     return [a for a in job_args(docs) if a.startswith("--signing")]
 
 
-def test_signing_is_off_by_default(render_chart):
-    docs = render_chart()
-    assert not [d for d in docs if d["kind"] == "Secret"]
-    assert signing_flags(docs) == []
+def test_signing_is_on_by_default_with_a_key_generated_at_install(render_chart, helm: str):
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["signing"] == {"enabled": False, "createSecret": False, "key": "", "existingSecret": ""}
+    assert values["signing"] == {"enabled": True, "createSecret": True, "key": "", "existingSecret": ""}
+    keys = []
+    for _ in range(2):
+        docs = render_chart()
+        secret = only(docs, "Secret", "-signing")
+        assert signing_flags(docs) == [f"--signing-secret={RELEASE}-signing"]
+        assert secret["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}  # uninstall keeps the key
+        keys.append(base64.b64decode(secret["data"]["key"]).decode())
+    assert all(len(k) == 64 and k.isalnum() for k in keys) and keys[0] != keys[1]  # random, no cluster to look up
+    # an upgrade keeps the key the Secret holds: the template looks it up before generating one
+    template = (CHART / "templates" / "signing-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" $namespace $name' in template and "randAlphaNum 64" in template
+    off = render_chart("--set", "signing.enabled=false")
+    assert not [d for d in off if d["kind"] == "Secret"] and signing_flags(off) == []
+    assert "with --trust-unsigned" in run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set",
+                                                "signing.enabled=false"]).stdout
 
 
 def test_created_secret_holds_the_key_and_the_job_names_it(render_chart):
     docs = render_chart(*CREATE)
     secret = only(docs, "Secret", "-signing")
     assert secret["metadata"] == {**secret["metadata"], "name": f"{RELEASE}-signing", "namespace": NAMESPACE}
+    assert "annotations" not in secret["metadata"]  # a key the user gave is theirs to keep
     assert secret["type"] == "Opaque" and set(secret["data"]) == {"key"}  # the data key the tasks read
     assert base64.b64decode(secret["data"]["key"]).decode() == KEY
     assert signing_flags(docs) == [f"--signing-secret={RELEASE}-signing"]
@@ -96,14 +109,15 @@ def test_schema_rejects_bad_signing_values(helm: str, tmp_path, values: dict, me
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--set", "signing.enabled=true"], "signing.existingSecret is required"),
-        (["--set", "signing.enabled=true", "--set", "signing.createSecret=true"], "signing.key is required"),
+        (["--set", "signing.createSecret=false"], "signing.existingSecret is required"),
+        ([*EXISTING, "--set", f"signing.key={KEY}"], "signing.key and signing.existingSecret are both set"),
         (
             [*CREATE, "--set", "nativeMode.enabled=true", "--set", "register.enabled=false"],
             "signing",
         ),
+        (["--set", "nativeMode.enabled=true", "--set", "register.enabled=false"], "or set signing.enabled=false"),
     ],
-    ids=["no-secret", "create-without-key", "native-mode"],
+    ids=["no-secret", "key-and-existing-secret", "native-mode", "native-mode-by-default"],
 )
 def test_inconsistent_signing_values_fail_with_a_message(helm: str, args: list[str], message: str):
     proc = run_tool([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args], check=False)

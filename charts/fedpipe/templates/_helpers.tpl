@@ -61,6 +61,12 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 {{- end }}
 
+{{/* The fedpipe containers' pull policy: image.pullPolicy, else IfNotPresent for an image pinned by digest and Always
+     for one named by a tag (a tag can move: a node's cached copy of the old bytes would keep running). */}}
+{{- define "fedpipe.imagePullPolicy" -}}
+{{- default (ternary "IfNotPresent" "Always" (not (empty .Values.image.digest))) .Values.image.pullPolicy }}
+{{- end }}
+
 {{/* KFP namespace the pipeline and its runs belong to: kubeflow.namespace, or the release namespace. */}}
 {{- define "fedpipe.kfpNamespace" -}}
 {{- default .Release.Namespace .Values.kubeflow.namespace }}
@@ -84,9 +90,11 @@ app.kubernetes.io/part-of: fedpipe
 {{- end }}
 {{- end }}
 
-{{/* Secret with the artifact signing key (data key "key"): the one the chart creates, or the existing one. */}}
+{{/* Secret with the artifact signing key (data key "key"): the existing one when named, else the one the chart creates. */}}
 {{- define "fedpipe.signingSecretName" -}}
-{{- if .Values.signing.createSecret }}
+{{- if .Values.signing.existingSecret }}
+{{- .Values.signing.existingSecret }}
+{{- else if .Values.signing.createSecret }}
 {{- printf "%s-signing" (include "fedpipe.fullname" .) }}
 {{- else }}
 {{- required "signing.existingSecret is required when signing.enabled is true and signing.createSecret is false" .Values.signing.existingSecret }}
@@ -199,7 +207,7 @@ app.kubernetes.io/part-of: fedpipe
 {{- $ctx := .ctx -}}
 - name: {{ .name }}
   image: {{ include "fedpipe.image" $ctx | quote }}
-  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+  imagePullPolicy: {{ include "fedpipe.imagePullPolicy" $ctx }}
   command: ["fedpipe"]
   args:
     {{- toYaml .args | nindent 4 }}

@@ -35,7 +35,7 @@ spec:
   containers:
     - name: check
       image: {{ include "fedpipe.image" $ctx | quote }}
-      imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+      imagePullPolicy: {{ include "fedpipe.imagePullPolicy" $ctx }}
       command: ["fedpipe"]
       args:
         {{- toYaml .args | nindent 8 }}
