@@ -1,0 +1,184 @@
+"""One run, step by step: run, partition, train, evaluate, verify, config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fedpipe.cli.common import ConfigOpt, RunIdOpt, SetOpt, _guarded, _load, _load_for_run, _print_summary, app
+
+
+@app.command()
+@_guarded
+def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
+        fresh: Annotated[bool, typer.Option("--fresh", help="Delete the run's earlier artifacts (only what fedpipe wrote) and start over.")] = False,
+        take_over: Annotated[bool, typer.Option("--take-over", help="Take the run over from a writer whose heartbeat is older than FEDPIPE_OWNER_STALE_SECONDS (a dead one).")] = False,
+        pipeline_root: Annotated[Optional[Path], typer.Option(help="Folder for the pipeline's task artifacts (default: <store>/_kfp).")] = None,
+        verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every line the pipeline tasks print.")] = False,
+        benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", help="Run the benchmark pipeline of these methods (repeatable) on one partition instead, and print its comparison table.")] = None):
+    """Run the method's Kubeflow pipeline on this machine (kfp's local runner): config, partition,
+    one task per training phase, evaluation; then print a summary and where the report is.
+
+    The same compiled pipeline runs on a cluster (`fedpipe submit`). Running a config again reuses
+    its finished steps and resumes an interrupted phase from its last finished round.
+    """
+    from fedpipe.errors import CorruptArtifactError
+    from fedpipe.pipelines.local_runner import run_locally, run_method_locally
+    from fedpipe.run.run import Run
+    from fedpipe.safe_load import read_store_json
+
+    cfg = _load_for_run(config, set, run_id)
+    r = Run(cfg, take_over=take_over)
+    if fresh:
+        r.fresh()
+    elif take_over:  # the pipeline's tasks are other processes: take the run over here, then hand it on
+        with r.owner:
+            pass
+    r.preflight()  # bad data, split or model: a clear message before anything is written
+    root = pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp"
+    if benchmark:
+        from fedpipe.pipelines.builder import DeployOptions, benchmark_pipeline
+
+        typer.echo(f"Running the benchmark pipeline of {', '.join(benchmark)} locally; task artifacts in {root}", err=True)
+        local_store = DeployOptions(store=cfg.run.store)
+        unpinned = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None})})  # one run per method
+        folder = run_locally(benchmark_pipeline(unpinned, benchmark, local_store), {}, root, verbose)
+        typer.echo((folder / "compare" / "table").read_text().rstrip())
+        return
+    typer.echo(f"Running pipeline {cfg.method.name} ({', '.join(p.name for p in r.phases())}) locally; task artifacts in {root}", err=True)
+    folder = run_method_locally(cfg, root, verbose)
+    summary = read_store_json(r.store, r.layout.report("summary.json"), "run summary", 2**20, CorruptArtifactError,
+                              "Run `fedpipe evaluate` again.")
+    summary["report"] = r.store.url(r.layout.report_dir)
+    _print_summary(summary)
+    typer.echo(f"  report as HTML         {folder / 'evaluate' / 'report'} (the pipeline's artifact)")
+    if cfg.registry.name:
+        _print_publication(r.store, cfg.registry.name, r.layout.run_id)
+
+
+def _print_publication(store, name: str, run_id: str) -> None:
+    """The publish task's outcome: this run's version of the model line, the gate's decision, what is promoted."""
+    from fedpipe.models.line import ModelLine
+
+    line = ModelLine(store, name)
+    mine = [line.record(v) for v in line.versions()[::-1][:50]]
+    mine = [rec for rec in mine if rec.run_id == run_id][:1]
+    if not mine:
+        typer.echo(f"  model line             {name}: this run was not registered (see the publish task's log)")
+        return
+    rec = mine[0]
+    verdict = "promoted" if rec.decision.get("promoted") else "not promoted"
+    typer.echo(f"  model line             {name} version {rec.version}: {verdict} ({rec.decision.get('reason', '')}); "
+               f"promoted now: version {line.promoted()}")
+
+
+@app.command()
+@_guarded
+def partition(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None):
+    """Split the dataset over clients: writes the manifest (client -> sample indices) and a label heatmap."""
+    from fedpipe.run.run import Run
+
+    r = Run(_load_for_run(config, set, run_id))
+    p = r.partition()
+    sizes = [len(c.train) + len(c.val) + len(c.test) for c in p.clients]
+    typer.echo(f"{len(p.clients)} clients, {min(sizes)}-{max(sizes)} samples each; manifest: {r.store.url(r.layout.partition_manifest)}")
+
+
+@app.command()
+@_guarded
+def train(phase: Annotated[str, typer.Option("--phase", "-p", help="The phase to run (see `fedpipe methods`), e.g. federation.")],
+          config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
+          take_over: Annotated[bool, typer.Option("--take-over", help="Take the run over from a writer whose heartbeat is older than FEDPIPE_OWNER_STALE_SECONDS (a dead one).")] = False):
+    """Run one training phase; it reads the previous phase's state and resumes from its own last checkpoint.
+    With train.init_from, the first phase starts from that model-line version (PyTorchJob and TrainJob pods
+    run this command)."""
+    from fedpipe.models.warm import attach
+    from fedpipe.run.run import Run
+
+    r = attach(Run(_load_for_run(config, set, run_id), take_over=take_over))
+    state = r.train(phase)
+    if state is None:  # a rank > 0 of a distributed phase: rank 0 reports
+        return
+    typer.echo(f"phase {phase} finished at round {state.round}; state: {r.store.url(r.layout.phase(phase).final)}")
+
+
+@app.command()
+@_guarded
+def evaluate(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None):
+    """Evaluate the last phase's models and write the report (summary, per-client table, plots)."""
+    from fedpipe.run.run import Run
+
+    _print_summary(Run(_load_for_run(config, set, run_id)).evaluate())
+
+
+@app.command()
+@_guarded
+def verify(run_id: Annotated[str, typer.Argument(metavar="RUN", help="The run's id: its folder name in the store (`fedpipe run` prints it in the report path).")],
+           store: Annotated[Optional[str], typer.Option(help="The store holding the run: a folder or s3://bucket/prefix (default: run.store of --config / --set, else runs/).")] = None,
+           config: ConfigOpt = None, set: SetOpt = None,
+           quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only damaged or missing artifacts and the verdict.")] = False):
+    """Check that a finished run's artifacts are intact: exit 0 when all are, 1 when any is missing or changed.
+
+    The evaluate step writes RUN/manifest.json last, listing every artifact of the run (partition
+    manifest, phase states, round metrics, report) with its sha256 and size. `verify` reads each one
+    back from the store (a folder, or MinIO / S3 with FEDPIPE_S3_ENDPOINT and the AWS_* credentials
+    in the environment), recomputes its sha256 and names every file that is missing or whose bytes
+    differ. Examples:
+
+        fedpipe verify fedavg-mnist5k-pathological-s0-1a2b3c4d
+
+        fedpipe verify test --store s3://mlpipeline/fedpipe
+
+    A damaged file cannot be repaired from the manifest: delete it and rerun the step that writes
+    it (`fedpipe run` reuses the intact steps), or restore it from a copy.
+    """
+    from fedpipe.run.verify import verify_run
+    from fedpipe.store import open_store
+
+    if store is None:
+        store = _load(config, set).run.store
+    s = open_store(store)
+    result = verify_run(s, run_id)
+    total = len(result.intact) + len(result.missing) + len(result.damaged)
+    typer.echo(f"run {run_id}: checking {total} artifacts listed in {result.where}")
+    for key in result.intact if not quiet else []:
+        typer.echo(f"  intact   {s.url(key)}")
+    for key in result.missing:
+        typer.echo(f"  MISSING  {s.url(key)}")
+    for key, why in result.damaged.items():
+        typer.echo(f"  DAMAGED  {s.url(key)}: {why}")
+    for key in result.unlisted:
+        typer.echo(f"  note: {s.url(key)} is not in the manifest (written after the run finished?)")
+    if result.ok:
+        typer.echo(f"run {run_id}: all {total} artifacts intact")
+        return
+    bad = len(result.missing) + len(result.damaged)
+    typer.echo(f"run {run_id}: {bad} of {total} artifacts missing or damaged; rerun the steps that write them "
+               "(fedpipe run reuses intact steps) or restore them from a copy", err=True)
+    raise typer.Exit(1)
+
+
+@app.command("config")
+@_guarded
+def show_config(config: ConfigOpt = None, set: SetOpt = None,
+                explain: Annotated[bool, typer.Option("--explain", help="List every field with its meaning instead.")] = False):
+    """Print the resolved config as YAML (defaults + file + --set), or explain every field."""
+    cfg = _load(config, set)
+    if not explain:
+        typer.echo(cfg.to_yaml().rstrip())
+        return
+    for line in _explain(cfg):
+        typer.echo(line)
+
+
+def _explain(cfg) -> list[str]:
+    lines = []
+    for section_name in type(cfg).model_fields:
+        section = getattr(cfg, section_name)
+        lines.append(f"{section_name}:  ({type(section).__doc__.strip().splitlines()[0] if type(section).__doc__ else ''})")
+        for name, field in type(section).model_fields.items():
+            doc = " ".join((field.description or "").split())
+            lines.append(f"  {section_name}.{name} = {getattr(section, name)!r}\n      {doc}")
+    return lines
