@@ -177,7 +177,8 @@ def test_an_import_path_model_installed_in_a_derived_image_trains_on_own_data_in
             # and it came from the package installed in the derived image (build_imported logs where it imported it from)
             assert "Model mynets:build: DigitMLP from /usr/local/lib/python3.11/site-packages/mynets/__init__.py" in log, log[-5000:]
 
-            # the same compiled pipeline, its image reference now naming the un-derived image: the package is missing
+            # the same compiled pipeline, its image reference now naming the un-derived image: the package is neither
+            # installed nor allowed there (FEDPIPE_MODEL_PACKAGES unset: only the bundled models, fail-closed)
             assert subprocess.run([podman(), "rmi", derived], capture_output=True, timeout=120).returncode == 0
             assert subprocess.run([podman(), "tag", base, derived], capture_output=True, timeout=120).returncode == 0
             started = time.time()
@@ -187,8 +188,9 @@ def test_an_import_path_model_installed_in_a_derived_image_trains_on_own_data_in
             log = _log(capfd)
         assert "Task 'partition' finished with status SUCCESS" in log, log[-5000:]  # the data is fine ...
         assert "Executing task 'train-phase'" in log and "Executing task 'train-phase-2'" not in log, log[-5000:]
-        # ... and the first task that builds the model stops with the plain message (no traceback to read through)
-        assert "model.name='mynets:build': module 'mynets' is not installed in this environment" in log, log[-5000:]
+        # ... and the first task that builds the model stops, saying which variable allows the package and where
+        assert ("model.name='mynets:build' names package 'mynets', but FEDPIPE_MODEL_PACKAGES is unset or empty" in log
+                and "ENV FEDPIPE_MODEL_PACKAGES=mynets" in log), log[-5000:]
         with capfd.disabled():
             print(f"\nderived image built in {build_seconds:.0f} s; pipeline in containers: {pipeline_seconds:.0f} s, "
                   f"personalized accuracy {personalized:.3f}, global top1 {summary['global_model']['top1']:.3f}; "
