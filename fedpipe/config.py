@@ -62,6 +62,13 @@ _SECRET_WORDS = ("token", "secret", "passw", "signature", "credential", "apikey"
 _SECRET_NAMES = ("sig", "key", "pwd", "pass", "auth", "authorization")
 
 
+def refuse_mlflow_credentials(uri: str | None, where: str) -> str | None:
+    """An MLflow tracking URI (None passes) without credentials in it: they go in the environment."""
+    return uri if uri is None else refuse_url_credentials(
+        uri, where, "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, in the "
+        "environment instead (they are sent only to MLFLOW_TRACKING_URI's server).", bare_is_host=False)
+
+
 def refuse_url_credentials(url: str, where: str, instead: str, *, bare_is_host: bool = True) -> str:
     """`url` unchanged, or a ValueError when it carries credentials: a user name or password
     (``scheme://user:pass@host``) or a token or signature in its query string or fragment (``?access_token=``,
@@ -296,9 +303,7 @@ class TelemetryConfig(Section):
     @field_validator("mlflow")
     @classmethod
     def _no_mlflow_credentials(cls, v: str | None) -> str | None:
-        return v if v is None else refuse_url_credentials(
-            v, "telemetry.mlflow", "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, "
-            "in the environment instead.", bare_is_host=False)
+        return refuse_mlflow_credentials(v, "telemetry.mlflow")
 
 
 def apply_override(tree: dict, assignment: str) -> None:

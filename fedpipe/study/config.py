@@ -29,6 +29,7 @@ from fedpipe.config import (
     Section,
     apply_override,
     format_validation_error,
+    refuse_mlflow_credentials,
     refuse_url_credentials,
 )
 from fedpipe.data.partition.schemes import SCHEME_CONFIGS
@@ -125,9 +126,7 @@ class StudyConfig(Section):
     @field_validator("mlflow")
     @classmethod
     def _no_mlflow_credentials(cls, v: str | None) -> str | None:
-        return v if v is None else refuse_url_credentials(
-            v, "mlflow", "set MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, in the "
-            "environment instead (they are sent only to MLFLOW_TRACKING_URI's server).", bare_is_host=False)
+        return refuse_mlflow_credentials(v, "mlflow")
 
     @field_validator("methods", mode="before")
     @classmethod
