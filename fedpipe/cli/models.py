@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from fedpipe import __version__
 from fedpipe.cli.common import ConfigOpt, SetOpt, _guarded, _load, app
 from fedpipe.errors import FedpipeError
 
@@ -222,9 +223,10 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
     import torch
 
     from fedpipe.models.export import MAX_SERVED_MODEL_BYTES, MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, load_exported, read_inputs
+    from fedpipe.serving.predictor import signed_or_trusted
 
     line, version = _line_and_version(model, store, config, set, default_latest=False)
-    signed = _signed_or_trusted(line, trust_unsigned)
+    signed = signed_or_trusted(line, trust_unsigned)
     spec = ServingSpec.from_bytes(line.read(version, SPEC_FILE, MAX_SPEC_BYTES), line.store.url(line.keys.version(version) + SPEC_FILE))
     served = spec.served(client)
     where = line.store.url(line.keys.version(version) + served.file)
@@ -243,19 +245,96 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
         typer.echo(f"{row:<{width}}  {label}  {p:.4f}")
 
 
-def _signed_or_trusted(line, trust_unsigned: bool) -> bool:
-    """Whether the line's objects are verified against the signing key; an unsigned line is refused unless the
-    user trusts whoever can write its store (--trust-unsigned)."""
-    import os
+@models_app.command("serve", epilog="""Example (in another terminal, once it says it is listening):
 
-    from fedpipe.store.signed import ENV_ALLOW_UNSIGNED, ENV_SIGNING_KEY, ENV_SIGNING_KEY_FILE, verifies_signatures
+    curl -s localhost:8080/v2/models/sites/infer -H 'Content-Type: application/json' -d '{"parameters": {"client": "hospital-a"}, "inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0, 0, 80, 255, 160, 0, 0, 0, 0, 0, 240, 96, 255, 64, 0, 0, 0, 48, 255, 0, 176, 128, 0, 0, 0, 64, 192, 0, 0, 128, 0, 0, 0, 80, 128, 0, 0, 144, 0, 0, 0, 64, 176, 0, 16, 192, 0, 0, 0, 32, 224, 80, 192, 96, 0, 0, 0, 0, 96, 240, 160, 0, 0, 0]}]}'
 
-    if verifies_signatures(line.store) or trust_unsigned:
-        return verifies_signatures(line.store)
-    why = (f"{ENV_ALLOW_UNSIGNED} lets unsigned objects through" if os.environ.get(ENV_ALLOW_UNSIGNED)
-           else f"neither {ENV_SIGNING_KEY} nor {ENV_SIGNING_KEY_FILE} is set")
-    raise FedpipeError(
-        f"Model line {line.name!r} in {line.store.url()} is read without signature checks ({why}), so anyone who can "
-        f"write that store could have replaced its models, and predict refuses it. Set {ENV_SIGNING_KEY} (or "
-        f"{ENV_SIGNING_KEY_FILE}) to the key the line's runs signed with; or, if you trust everyone who can write "
-        "that store, pass --trust-unsigned.")
+The answer holds "probabilities" (per label, in spec.json's label order), "label" (the best label's name) and "label_index", and says which version and model answered (parameters: version, model, client). The client can go in the Fedpipe-Client header instead; v1 works too: POST /v1/models/sites:predict with {"instances": [[[...8x8 pixels...]]], "parameters": {"client": "hospital-a"}}. GET /v2/models/sites says the input's shape and datatype; /metrics shows fedpipe_serving_cached_models.""")
+@_guarded
+def models_serve(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", help="The line, and a version to pin. Without a version the promoted one is served and followed: a promotion or rollback is served within --reload-seconds.")],
+                 store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None,
+                 host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface, as in a pod).")] = "127.0.0.1",
+                 port: Annotated[int, typer.Option(min=1, max=65535, help="HTTP port.")] = 8080,
+                 cache_size: Annotated[int, typer.Option(min=1, help="Models held in memory at once (the global model and the clients' models most recently asked for); a miss reads one file from the store.")] = 32,
+                 unknown_client: Annotated[str, typer.Option(help="A client the version has no model for: 'global' answers with the global model (methods that have one), '404' refuses.")] = "global",
+                 reload_seconds: Annotated[float, typer.Option(min=0, max=86400, help="Without a pinned version: how often (at most) a request re-reads the promoted pointer; 0 checks on every request.")] = 30.0,
+                 max_request_bytes: Annotated[int, typer.Option(min=1024, help="A request body over this is answered 413.")] = 16 * 2**20,
+                 max_batch: Annotated[int, typer.Option(min=1, max=65536, help="Rows per request at most.")] = 1024,
+                 model_name: Annotated[Optional[str], typer.Option(help="The model's name on the endpoint path, /v2/models/NAME/infer (default: the line's name).")] = None,
+                 folder: Annotated[Optional[Path], typer.Option(help="Serve NAME@VERSION from this folder instead of the store: the version's files as KServe's storage initializer downloads them from the InferenceService's storageUri (/mnt/models).")] = None,
+                 trust_unsigned: Annotated[bool, typer.Option("--trust-unsigned", help="Serve a model line read without signatures (FEDPIPE_SIGNING_KEY unset): only if you trust everyone who can write its store. A .pt2 holding pickled code, and TorchScript, are refused all the same.")] = False):
+    """Serve a model line over HTTP with KServe's model server (the open inference protocol v2, and v1): the global
+    model and every client's personalized model behind one endpoint, the client named per request. Models load
+    when first asked for into a bounded cache; inputs are raw (pixels 0..255, feature values, token ids) as
+    spec.json says. The same program runs in the InferenceService that `fedpipe models deploy` writes. Needs the
+    serve extra (pip install 'fedpipe[serve]')."""
+    from fedpipe.serving.predictor import ServeOptions
+
+    options = ServeOptions(cache_size=cache_size, unknown_client=unknown_client, reload_seconds=reload_seconds,
+                           max_batch=max_batch, trust_unsigned=trust_unsigned)
+    from fedpipe.serving.predictor import LinePredictor, open_folder
+
+    name = ref.partition("@")[0]
+    if folder is not None:
+        predictor = open_folder(str(folder), ref, options)
+        version = predictor.version
+    else:
+        line, _ = _line_and_version(ref, store, config, set, default_latest=False)  # a clear error for a wrong NAME or @VERSION
+        version = int(ref.partition("@")[2]) if "@" in ref else None
+        predictor = LinePredictor(line, version, options)
+    try:
+        from fedpipe.serving.kserve_model import serve
+    except ImportError as e:
+        raise FedpipeError(f"Serving needs the kserve package ({e}): pip install 'fedpipe[serve]'.") from None
+    typer.echo(f"serving model line {name} version {predictor.version}{'' if version else ' (promoted, followed)'} "
+               f"as /v2/models/{model_name or name}/infer on http://{host}:{port}", err=True)
+    serve(predictor, model_name or name, host, port, max_request_bytes)
+
+
+@models_app.command("deploy", epilog="""Examples:
+
+    fedpipe models deploy sites --store s3://mlpipeline/fedpipe --signing-secret fedpipe-signing --namespace kubeflow-user-example-com > isvc.yaml
+
+    fedpipe models deploy sites --store s3://mlpipeline/fedpipe --signing-secret fedpipe-signing --storage model-registry --namespace team-a --apply
+
+Then: curl -H 'Content-Type: application/json' http://<the InferenceService's URL>/v2/models/sites/infer -d '{"parameters": {"client": "hospital-a"}, "inputs": [...]}' (see `fedpipe models serve --help`).""")
+@_guarded
+def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None,
+                  namespace: Annotated[Optional[str], typer.Option(help="Namespace of the InferenceService (a Kubeflow profile's, e.g. kubeflow-user-example-com); needed with --apply.")] = None,
+                  image: Annotated[str, typer.Option(help="The predictor's image: fedpipe's image, which has the serve extra.")] = f"ghcr.io/fedpipe/fedpipe:{__version__}",
+                  storage: Annotated[str, typer.Option(help="How the predictor gets the models: 'store' reads the line from the store and follows the promoted version (a promotion is served within --reload-seconds, no rollout); 's3' or 'model-registry' pins the version promoted now as the predictor's STORAGE_URI (s3://.../models/NAME/versions/N/, or model-registry://NAME/N for a version registered in Kubeflow Hub), which KServe downloads; a promotion then needs another deploy.")] = "store",
+                  pin: Annotated[bool, typer.Option("--pin", help="With --storage store: serve the version promoted now, never another.")] = False,
+                  signing_secret: Annotated[Optional[str], typer.Option(help="Secret holding the signing key the line's runs signed with, under the key 'key' (the chart's: <release>-signing).")] = None,
+                  trust_unsigned: Annotated[bool, typer.Option("--trust-unsigned", help="Serve an unsigned line (no --signing-secret): only if everyone who can write the store is trusted.")] = False,
+                  s3_endpoint: Annotated[str, typer.Option(help="The S3/MinIO endpoint the predictor reads the store from.")] = "http://minio-service.kubeflow:9000",
+                  s3_secret: Annotated[str, typer.Option(help="Secret with the store's credentials (keys accesskey, secretkey), as the pipeline's.")] = "mlpipeline-minio-artifact",
+                  service_account: Annotated[Optional[str], typer.Option(help="ServiceAccount of the predictor (with --storage s3: one whose Secret KServe's storage initializer reads S3 credentials from).")] = None,
+                  cache_size: Annotated[int, typer.Option(min=1, help="Models the predictor holds in memory at once.")] = 32,
+                  unknown_client: Annotated[str, typer.Option(help="'global' or '404' (see `fedpipe models serve --help`).")] = "global",
+                  reload_seconds: Annotated[float, typer.Option(min=0, max=86400, help="How often (at most) the predictor re-reads the promoted pointer.")] = 30.0,
+                  cpu: Annotated[str, typer.Option(help="CPU request,limit of the predictor.")] = "500m,2",
+                  memory: Annotated[str, typer.Option(help="Memory request,limit of the predictor (enough for --cache-size models).")] = "1Gi,4Gi",
+                  apply: Annotated[bool, typer.Option("--apply", help="Create or replace it in the cluster (in-cluster config or ~/.kube/config) instead of printing it.")] = False):
+    """Write the KServe InferenceService that serves a model line's promoted version (KServe 0.16 of Kubeflow 26.03
+    and 0.18 of 26.03.1): a custom predictor running `fedpipe models serve` in fedpipe's image, reading the store
+    with the pipeline's credentials and signing key. Prints YAML, or with --apply creates it."""
+    import yaml
+
+    from fedpipe.serving.inference_service import ServingDeployment, inference_service
+    from fedpipe.serving.inference_service import apply as apply_isvc
+
+    line, version = _line_and_version(name, store, config, set, default_latest=False)
+    url = store if store is not None else _load(config, set).run.store
+    (cpu_req, _, cpu_lim), (mem_req, _, mem_lim) = cpu.partition(","), memory.partition(",")
+    deployment = ServingDeployment(line=name, version=version, store=url, image=image, namespace=namespace, storage=storage, follow=not pin,
+                                   cache_size=cache_size, unknown_client=unknown_client, reload_seconds=reload_seconds, s3_endpoint=s3_endpoint,
+                                   storage_secret=s3_secret, signing_secret=signing_secret, trust_unsigned=trust_unsigned,
+                                   service_account=service_account,
+                                   resources={"requests": {"cpu": cpu_req, "memory": mem_req}, "limits": {"cpu": cpu_lim or cpu_req, "memory": mem_lim or mem_req}})
+    doc = inference_service(deployment)
+    if not apply:
+        typer.echo(yaml.safe_dump(doc, sort_keys=False), nl=False)
+        return
+    if not namespace:
+        raise FedpipeError("--apply needs --namespace: the namespace to create the InferenceService in.")
+    typer.echo(apply_isvc(doc, namespace))

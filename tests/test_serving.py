@@ -1,0 +1,230 @@
+"""Serving a model line (fedpipe.serving): the KServe custom predictor served for real.
+
+Every method's tiny run on the real 8x8 digits is exported and registered as one version of a SIGNED line; one
+`fedpipe models serve` process (KServe's ModelServer, uvicorn, on a loopback port) follows the promoted pointer
+while the test promotes each version in turn, and a client's prediction through the v2 endpoint must equal
+`fedpipe predict --client` on the same pixels (as PNG files). Then the endpoint's refusals (unknown client, bad
+shape, bad datatype, an oversize body): a 4xx JSON error, no traceback; and the model cache, bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from runs import small_run, train_all
+from services import free_port, start_server, stop_server
+from typer.testing import CliRunner
+
+pytest.importorskip("kserve", reason="the serve extra (kserve) is part of the test extra: run scripts/setup.sh --test")
+
+from fedpipe.algorithms import ALGORITHMS  # noqa: E402
+from fedpipe.models.export import export_model, served_module  # noqa: E402
+from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord  # noqa: E402
+from fedpipe.serving.predictor import LinePredictor, ServeOptions, ServingError  # noqa: E402
+
+KEY = "serving-test-signing-key-0123456789abcdef"
+LINE = "every"
+# 2 clients with two classes each, 1 round (SuPerFed: 2, one per phase): seconds per method
+TINY = ["data.dataset=digits", "model.name=twonn", "partition.scheme=pathological", "partition.num_clients=2", "train.rounds=1",
+        "train.lr=0.05", "run.threads=1", "engine.clients=sequential", "eval.batch_size=1000"]
+EXTRA = {"superfed_mm": ["method.start_fraction=0.5", "train.rounds=2"], "superfed_lm": ["method.start_fraction=0.5", "train.rounds=2"]}
+
+
+def _register(line: ModelLine, run, files: dict[str, bytes], clients) -> int:
+    record = VersionRecord(0, run.layout.run_id, ModelSpec.of_run(run), run.cfg.to_yaml(), run.bundle.snapshot, {}, tuple(clients))
+    return line.register(record, files).version
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(store folder, {version: method}, pixels [N,1,8,8] uint8, their PNG files, the server's URL): a signed line
+    with a version per method, version 1 promoted, served by `fedpipe models serve` (cache of 2, unknown clients
+    refused, the pointer checked on every request)."""
+    from fedpipe.models.export import export_run
+
+    root = tmp_path_factory.mktemp("serving")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDPIPE_SIGNING_KEY", KEY)
+        mp.delenv("FEDPIPE_SIGNING_ALLOW_UNSIGNED", raising=False)
+        versions, line = {}, None
+        for method in ALGORITHMS:
+            run = small_run(root / "runs", f"method.name={method}", *TINY, *EXTRA.get(method, []), run_id=method)
+            train_all(run)
+            files, spec, clients = export_run(run)
+            line = line or ModelLine(run.store, LINE)
+            versions[_register(line, run, files, clients)] = method
+        line.promote(1, "test")
+        pixels = run.bundle.train.x[:3]
+        pngs = []
+        from PIL import Image
+
+        for i, image in enumerate(pixels):
+            pngs.append(root / f"digit{i}.png")
+            Image.fromarray(image[0], mode="L").save(pngs[-1])
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = start_server("fedpipe-serve", [sys.executable, "-m", "fedpipe.cli", "models", "serve", LINE, "--store", str(root / "runs"),
+                                                "--port", str(port), "--cache-size", "2", "--unknown-client", "404",
+                                                "--reload-seconds", "0", "--max-request-bytes", "65536"],
+                              url, f"/v2/models/{LINE}/ready", root, timeout=120)
+        try:
+            yield root / "runs", versions, pixels, pngs, url, line
+        finally:
+            stop_server(server)
+            log = server.log_path.read_text(errors="replace")
+            print(log[-3000:])
+
+
+def _post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _v2(pixels: np.ndarray, client: str | None = None, shape=None, datatype="FP32") -> dict:
+    body = {"inputs": [{"name": "input", "shape": list(shape or pixels.shape), "datatype": datatype,
+                        "data": pixels.astype(float).reshape(-1).tolist()}]}
+    if client is not None:
+        body["parameters"] = {"client": client}
+    return body
+
+
+def _predict_cli(store: Path, client: str, pngs: list[Path]) -> list[tuple[str, float]]:
+    from fedpipe.cli import app
+
+    done = CliRunner().invoke(app, ["predict", "--model", LINE, "--client", client, "--store", str(store), *map(str, pngs)])
+    assert done.exit_code == 0, done.output
+    return [(row.split()[1], float(row.split()[2])) for row in done.output.strip().splitlines()]
+
+
+def test_every_methods_clients_are_served_as_fedpipe_predict_answers(served, monkeypatch):
+    store, versions, pixels, pngs, url, line = served
+    monkeypatch.setenv("FEDPIPE_SIGNING_KEY", KEY)
+    for version, method in versions.items():
+        if version > 1:
+            line.promote(version, "test")  # the server follows the pointer (checked on every request here)
+        for client in ("0", "1"):
+            status, answer = _post(f"{url}/v2/models/{LINE}/infer", _v2(pixels, client))
+            assert status == 200, (method, answer)
+            params = answer["parameters"]
+            assert (params["version"], params["client"], params["model"]) == (version, client, "personalized"), method
+            outputs = {o["name"]: o for o in answer["outputs"]}
+            probs = np.asarray(outputs["probabilities"]["data"]).reshape(outputs["probabilities"]["shape"])
+            served_rows = [(label, round(float(p), 4)) for label, p in zip(outputs["label"]["data"], probs.max(axis=1))]
+            assert served_rows == _predict_cli(store, client, pngs), f"{method} client {client}"
+            assert np.allclose(probs.sum(axis=1), 1.0)
+    # the header names the client as the parameter does; v1 answers the same
+    status, by_header = _post(f"{url}/v2/models/{LINE}/infer", _v2(pixels), {"Fedpipe-Client": "1"})
+    status1, v1 = _post(f"{url}/v1/models/{LINE}:predict", {"instances": pixels.astype(float).tolist(), "parameters": {"client": "1"}})
+    assert status == status1 == 200 and by_header["parameters"]["client"] == "1"
+    labels = next(o for o in by_header["outputs"] if o["name"] == "label")["data"]
+    assert [p["label"] for p in v1["predictions"]] == labels and v1["client"] == "1"
+
+
+def _is_clear(status: int, answer: dict, expected_status: int, *words: str) -> None:
+    assert status == expected_status, answer
+    assert set(answer) == {"error"} and "Traceback" not in answer["error"], answer
+    for word in words:
+        assert word in answer["error"], answer
+
+
+def test_bad_requests_get_a_clear_4xx_json_answer(served):
+    _, versions, pixels, _, url, _ = served
+    infer = f"{url}/v2/models/{LINE}/infer"
+    _is_clear(*_post(infer, _v2(pixels, "nowhere")), 404, "No client 'nowhere'", "0, 1")
+    _is_clear(*_post(infer, _v2(pixels[:, :, :4], "0")), 400, "[3, 1, 4, 8]", "['N', 1, 8, 8]")
+    _is_clear(*_post(infer, _v2(pixels, "0", shape=[3, 1, 8, 8 + 1])), 400, "shape")
+    _is_clear(*_post(infer, _v2(pixels, "0", datatype="INT64")), 400, "datatype", "FP32")
+    _is_clear(*_post(infer, {"inputs": [{"name": "x", "shape": [2, 1, 8, 8], "datatype": "FP32", "data": [1.0] * 10}],
+                             "parameters": {"client": "0"}}), 400, "128 values", "10 were sent")
+    _is_clear(*_post(infer, _v2(pixels, "0"), {"Fedpipe-Client": "1"}), 400, "different clients")
+    big = _v2(np.zeros((200, 1, 8, 8)), "0")  # ~70 KB of JSON, over the server's 64 KiB
+    _is_clear(*_post(infer, big), 413, "at most 65,536", "fewer rows")
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    cached = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("fedpipe_serving_cached_models{")]
+    assert cached and 1 <= cached[0] <= 2  # --cache-size 2, after every method's two clients were served
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.linear(x.flatten(1))
+
+
+def _tiny_line(root: Path, clients: int) -> ModelLine:
+    """A line whose one version has `clients` personalized models (a linear classifier each, exported as fedpipe
+    exports: torch.export), and no global model."""
+    import fedpipe.models.export as export
+    from fedpipe.store import open_store
+
+    line = ModelLine(open_store(str(root)), "many")
+    files, entries = {}, {}
+    torch.manual_seed(0)
+    exported = export_model(_Linear().eval(), torch.rand(2, 1, 2, 2) * 255)  # one model, filed under every client's name
+    for c in range(clients):
+        entries[f"site-{c}"] = export.ServedFile(f"clients/site-{c}.pt2", exported.format, exported.exporter, c, 1.0)
+        files[entries[f"site-{c}"].file] = exported.data
+    spec = export.ServingSpec("r", "local", "linear", "image", (1, 2, 2), (0.0,), (1.0,), ("a", "b", "c"), None, entries)
+    files[export.SPEC_FILE] = spec.to_bytes()
+    record = VersionRecord(0, "r", ModelSpec("linear", "local", (1, 2, 2), 3, ("a", "b", "c")), "", None, {}, tuple(entries))
+    line.promote(line.register(record, files).version, "test")
+    return line
+
+
+def test_the_model_cache_stays_bounded_under_1000_clients(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDPIPE_SIGNING_KEY", raising=False)
+    line = _tiny_line(tmp_path, 1000)
+    predictor = LinePredictor(line, None, ServeOptions(cache_size=8, trust_unsigned=True, unknown_client="global"))
+    x = predictor.rows([0.0, 64.0, 128.0, 255.0], [1, 1, 2, 2], "FP32")
+    sizes = []
+    for c in range(0, 1000, 25):  # 40 different clients
+        predictor.predict(f"site-{c}", x)
+        sizes.append(len(predictor.cache))
+    assert max(sizes) == 8 and predictor.cache.loads == 40
+    predictor.predict("site-975", x)  # the most recent: still cached
+    assert predictor.cache.loads == 40
+    predictor.predict("site-0", x)  # the oldest: evicted long ago, loaded again
+    assert predictor.cache.loads == 41 and len(predictor.cache) == 8
+    with pytest.raises(ServingError, match="no global model") as e:  # unknown client, and no global model to fall back on
+        predictor.predict("site-1000", x)
+    assert e.value.status == 404
+
+
+def test_an_unsigned_line_is_served_only_when_trusted(tmp_path, monkeypatch):
+    from fedpipe.errors import FedpipeError
+
+    monkeypatch.delenv("FEDPIPE_SIGNING_KEY", raising=False)
+    line = _tiny_line(tmp_path, 2)
+    with pytest.raises(FedpipeError, match="--trust-unsigned"):
+        LinePredictor(line, 1, ServeOptions())
+    assert LinePredictor(line, 1, ServeOptions(trust_unsigned=True)).version == 1
+
+
+def test_the_promoted_pointer_is_followed_within_the_reload_interval(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDPIPE_SIGNING_KEY", raising=False)
+    line = _tiny_line(tmp_path, 2)
+    record = line.record(1)
+    files = {key: line.read(1, key, 2**20) for key in record.files}
+    line.promote(line.register(record, files).version, "the next one")
+    predictor = LinePredictor(line, None, ServeOptions(trust_unsigned=True, reload_seconds=60))
+    assert predictor.version == 2
+    line.rollback()
+    predictor.refresh(now=predictor._checked + 59)
+    assert predictor.version == 2  # within the interval: not read again
+    predictor.refresh(now=predictor._checked + 61)
+    assert predictor.version == 1 and len(predictor.cache) == 0
