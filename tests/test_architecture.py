@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("fedpipe.engine",)),
     ("run", ("fedpipe.run",)),
     ("models", ("fedpipe.models",)),
+    ("serving", ("fedpipe.serving",)),
     ("study", ("fedpipe.study",)),
     ("entry", ("fedpipe.k8s", "fedpipe.components", "fedpipe.pipelines", "fedpipe.cli")),
 )

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 pytest.importorskip("kserve", reason="the serve extra (kserve) is part of the test extra: run scripts/setup.sh --test")
 
 from fedpipe.algorithms import ALGORITHMS  # noqa: E402
-from fedpipe.models.export import export_model, served_module  # noqa: E402
+from fedpipe.models.export import export_model  # noqa: E402
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord  # noqa: E402
 from fedpipe.serving.predictor import LinePredictor, ServeOptions, ServingError  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_bad_requests_get_a_clear_4xx_json_answer(served):
     _is_clear(*_post(infer, {"inputs": [{"name": "x", "shape": [2, 1, 8, 8], "datatype": "FP32", "data": [1.0] * 10}],
                              "parameters": {"client": "0"}}), 400, "128 values", "10 were sent")
     _is_clear(*_post(infer, _v2(pixels, "0"), {"Fedpipe-Client": "1"}), 400, "different clients")
-    big = _v2(np.zeros((200, 1, 8, 8)), "0")  # ~70 KB of JSON, over the server's 64 KiB
+    big = _v2(np.zeros((1000, 1, 8, 8)), "0")  # ~320 KB of JSON, over the server's 64 KiB
     _is_clear(*_post(infer, big), 413, "at most 65,536", "fewer rows")
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         metrics = response.read().decode()
@@ -228,3 +228,30 @@ def test_the_promoted_pointer_is_followed_within_the_reload_interval(tmp_path, m
     assert predictor.version == 2  # within the interval: not read again
     predictor.refresh(now=predictor._checked + 61)
     assert predictor.version == 1 and len(predictor.cache) == 0
+
+
+def test_a_version_downloaded_by_kserves_storage_initializer_is_served_with_every_check(tmp_path, monkeypatch):
+    """`--folder`: the version's objects as KServe downloads them from its storageUri (bytes as stored: signed
+    envelopes included) are served with the signatures and the record's hashes checked; a swapped file is refused."""
+    import shutil
+
+    from fedpipe.errors import CorruptArtifactError
+    from fedpipe.serving.predictor import open_folder
+
+    monkeypatch.setenv("FEDPIPE_SIGNING_KEY", KEY)
+    line = _tiny_line(tmp_path / "store", 3)
+    folder = tmp_path / "mnt-models"
+    for key in line.store.list(line.keys.version(1)):  # what `aws s3 cp --recursive` of the version's folder leaves
+        target = folder / key[len(line.keys.version(1)):]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp_path / "store" / key, target)
+    served = open_folder(str(folder), "many@1", ServeOptions())
+    from_store = LinePredictor(line, 1, ServeOptions())
+    x = served.rows([0.0, 64.0, 128.0, 255.0, 1.0, 2.0, 3.0, 4.0], [2, 1, 2, 2], "FP32")
+    assert np.array_equal(served.predict("site-1", x).probabilities, from_store.predict("site-1", x).probabilities)
+    (folder / "clients" / "site-2.pt2").write_bytes((folder / "clients" / "site-1.pt2").read_bytes())  # a bucket writer's swap
+    with pytest.raises(CorruptArtifactError):
+        served.predict("site-2", x)
+    monkeypatch.delenv("FEDPIPE_SIGNING_KEY")
+    with pytest.raises(Exception, match="--trust-unsigned"):  # the envelopes are not read as models without the key
+        open_folder(str(folder), "many@1", ServeOptions())
