@@ -114,7 +114,7 @@ def test_every_methods_clients_are_served_as_fedpipe_predict_answers(served, mon
     for version, method in versions.items():
         if version > 1:
             line.promote(version, "test")  # the server follows the pointer (checked on every request here)
-        for client in ("0", "1"):
+        for client in ("0", "1"):  # both clients through the endpoint; one of them (in turn) through `fedpipe predict` too
             status, answer = _post(f"{url}/v2/models/{LINE}/infer", _v2(pixels, client))
             assert status == 200, (method, answer)
             params = answer["parameters"]
@@ -122,8 +122,9 @@ def test_every_methods_clients_are_served_as_fedpipe_predict_answers(served, mon
             outputs = {o["name"]: o for o in answer["outputs"]}
             probs = np.asarray(outputs["probabilities"]["data"]).reshape(outputs["probabilities"]["shape"])
             served_rows = [(label, round(float(p), 4)) for label, p in zip(outputs["label"]["data"], probs.max(axis=1))]
-            assert served_rows == _predict_cli(store, client, pngs), f"{method} client {client}"
             assert np.allclose(probs.sum(axis=1), 1.0)
+            if int(client) == version % 2:
+                assert served_rows == _predict_cli(store, client, pngs), f"{method} client {client}"
     # the header names the client as the parameter does; v1 answers the same
     status, by_header = _post(f"{url}/v2/models/{LINE}/infer", _v2(pixels), {"Fedpipe-Client": "1"})
     status1, v1 = _post(f"{url}/v1/models/{LINE}:predict", {"instances": pixels.astype(float).tolist(), "parameters": {"client": "1"}})
@@ -187,7 +188,10 @@ def _tiny_line(root: Path, clients: int) -> ModelLine:
 
 
 def test_the_model_cache_stays_bounded_under_1000_clients(tmp_path, monkeypatch):
+    import os
+
     monkeypatch.delenv("FEDPIPE_SIGNING_KEY", raising=False)
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # 1,000 files written: their durability is not what is tested here
     line = _tiny_line(tmp_path, 1000)
     predictor = LinePredictor(line, None, ServeOptions(cache_size=8, trust_unsigned=True, unknown_client="global"))
     x = predictor.rows([0.0, 64.0, 128.0, 255.0], [1, 1, 2, 2], "FP32")

@@ -71,7 +71,8 @@ def test_pins_come_from_pyproject_only():
     text = DOCKERFILE.read_text()
     assert not re.search(r"torch(vision)?==", text.replace("'^torch(vision)?=='", "")), "the Dockerfile must not pin torch itself"
     extract = runs(stages()["requirements"])
-    assert "['project']['dependencies']" in extract and "grep -E '^torch(vision)?=='" in extract
+    assert "['project']" in extract and "p['dependencies']" in extract and "grep -E '^torch(vision)?=='" in extract
+    assert "p['optional-dependencies']['serve']" in extract  # the image is also the InferenceService's predictor
     # The dependency layer reads only the extracted list, so other edits of pyproject.toml keep it cached.
     final = stages()["final"]
     copies = [c for c in final if c.cmd == "COPY"]

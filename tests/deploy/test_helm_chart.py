@@ -534,7 +534,7 @@ FREE_FORM = {
     "pushgateway.podSecurityContext", "pushgateway.containerSecurityContext", "dashboard.labels", "serviceMonitor.labels", "alerts.labels",
     "networkPolicy.podSelector", "networkPolicy.dns.podLabels", "networkPolicy.storage.podLabels",
     "networkPolicy.pushgateway.podLabels", "training.resources", "steps.resources", "register.podAnnotations",
-    "pushgateway.podAnnotations", "tests.resources",
+    "pushgateway.podAnnotations", "tests.resources", "networkPolicy.istiod.podLabels", "serving.resources",
 }  # fmt: skip
 
 
