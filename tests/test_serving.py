@@ -167,7 +167,7 @@ class _Linear(torch.nn.Module):
         return self.linear(x.flatten(1))
 
 
-def _tiny_line(root: Path, clients: int) -> ModelLine:
+def _tiny_line(root: Path, clients: int, promote: bool = True) -> ModelLine:
     """A line whose one version has `clients` personalized models (a linear classifier each, exported as fedpipe
     exports: torch.export), and no global model."""
     import fedpipe.models.export as export
@@ -183,7 +183,9 @@ def _tiny_line(root: Path, clients: int) -> ModelLine:
     spec = export.ServingSpec("r", "local", "linear", "image", (1, 2, 2), (0.0,), (1.0,), ("a", "b", "c"), None, entries)
     files[export.SPEC_FILE] = spec.to_bytes()
     record = VersionRecord(0, "r", ModelSpec("linear", "local", (1, 2, 2), 3, ("a", "b", "c")), "", None, {}, tuple(entries))
-    line.promote(line.register(record, files).version, "test")
+    version = line.register(record, files).version
+    if promote:
+        line.promote(version, "test")
     return line
 
 
@@ -259,3 +261,21 @@ def test_a_version_downloaded_by_kserves_storage_initializer_is_served_with_ever
     monkeypatch.delenv("FEDPIPE_SIGNING_KEY")
     with pytest.raises(Exception, match="--trust-unsigned"):  # the envelopes are not read as models without the key
         open_folder(str(folder), "many@1", ServeOptions())
+
+
+def test_a_new_installs_predictor_waits_for_the_first_promotion(tmp_path, monkeypatch):
+    import time
+
+    from fedpipe.cli.models import _wait_for_promotion
+
+    monkeypatch.delenv("FEDPIPE_SIGNING_KEY", raising=False)
+    line = _tiny_line(tmp_path, 2, promote=False)
+    slept = []
+
+    def sleep(seconds):  # the first run's promotion happens while the predictor waits
+        slept.append(seconds)
+        line.promote(1, "the first run")
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    _wait_for_promotion(line, 0)
+    assert slept == [5.0] and LinePredictor(line, None, ServeOptions(trust_unsigned=True)).version == 1

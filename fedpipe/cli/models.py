@@ -261,6 +261,7 @@ def models_serve(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", he
                  max_request_bytes: Annotated[int, typer.Option(min=1024, help="A request body over this is answered 413.")] = 16 * 2**20,
                  max_batch: Annotated[int, typer.Option(min=1, max=65536, help="Rows per request at most.")] = 1024,
                  model_name: Annotated[Optional[str], typer.Option(help="The model's name on the endpoint path, /v2/models/NAME/infer (default: the line's name).")] = None,
+                 wait_for_promotion: Annotated[bool, typer.Option("--wait-for-promotion", help="Following the promoted version of a line that has none yet: wait for the first promotion (checked every --reload-seconds, at least 5) instead of stopping; the endpoint listens once there is one (a new install's InferenceService before its first run).")] = False,
                  folder: Annotated[Optional[Path], typer.Option(help="Serve NAME@VERSION from this folder instead of the store: the version's files as KServe's storage initializer downloads them from the InferenceService's storageUri (/mnt/models).")] = None,
                  trust_unsigned: Annotated[bool, typer.Option("--trust-unsigned", help="Serve a model line read without signatures (FEDPIPE_SIGNING_KEY unset): only if you trust everyone who can write its store. A .pt2 holding pickled code, and TorchScript, are refused all the same.")] = False):
     """Serve a model line over HTTP with KServe's model server (the open inference protocol v2, and v1): the global
@@ -279,6 +280,8 @@ def models_serve(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", he
         predictor = open_folder(str(folder), ref, options)
         version = predictor.version
     else:
+        if wait_for_promotion and "@" not in ref:
+            _wait_for_promotion(_model_line(name, store, config, set), reload_seconds)
         line, _ = _line_and_version(ref, store, config, set, default_latest=False)  # a clear error for a wrong NAME or @VERSION
         version = int(ref.partition("@")[2]) if "@" in ref else None
         predictor = LinePredictor(line, version, options)
@@ -338,3 +341,11 @@ def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt =
     if not namespace:
         raise FedpipeError("--apply needs --namespace: the namespace to create the InferenceService in.")
     typer.echo(apply_isvc(doc, namespace))
+
+
+def _wait_for_promotion(line, every: float) -> None:
+    import time
+
+    while line.promoted() is None:
+        typer.echo(f"model line {line.name} in {line.store.url()} has no promoted version yet: waiting for one", err=True)
+        time.sleep(max(5.0, every))

@@ -93,7 +93,8 @@ def _args(d: ServingDeployment) -> list[str]:
     where = ["--folder", MOUNT] if downloaded else ["--store", d.store]
     return ["models", "serve", ref, *where, "--host", "0.0.0.0", "--port", str(PORT), "--cache-size", str(d.cache_size),
             "--unknown-client", d.unknown_client, "--reload-seconds", f"{d.reload_seconds:g}",
-            *(["--trust-unsigned"] if d.trust_unsigned and not d.signing_secret else [])]
+            *(["--trust-unsigned"] if d.trust_unsigned and not d.signing_secret else []),
+            *(["--wait-for-promotion"] if ref == d.line else [])]
 
 
 def _env(d: ServingDeployment) -> list[dict]:
