@@ -279,3 +279,36 @@ def test_a_new_installs_predictor_waits_for_the_first_promotion(tmp_path, monkey
     monkeypatch.setattr(time, "sleep", sleep)
     _wait_for_promotion(line, 0)
     assert slept == [5.0] and LinePredictor(line, None, ServeOptions(trust_unsigned=True)).version == 1
+
+
+@pytest.mark.parametrize("kind", ["image", "table", "text"])
+def test_each_input_kind_is_checked_in_its_raw_form(kind):
+    """The rows a request may send, per input kind (spec.json's): shape [N, *input shape], the spec's datatype,
+    finite values; token ids inside the vocabulary."""
+    from fedpipe.models.export import ServingSpec
+
+    shape = {"image": (1, 2, 2), "table": (3,), "text": (4,)}[kind]
+    norm = {"image": ((0.0,), (1.0,)), "table": ((0.0,) * 3, (1.0,) * 3), "text": (None, None)}[kind]
+    spec = ServingSpec("r", "local", "m", kind, shape, *norm, ("a", "b"), None, {}, vocab_size=10 if kind == "text" else None)
+    predictor = object.__new__(LinePredictor)  # the input checks read only the spec and the options
+    predictor.spec, predictor.options = spec, ServeOptions(max_batch=4)
+    datatype = "INT64" if kind == "text" else "FP32"
+    count = int(np.prod(shape))
+    x = predictor.rows(list(range(2 * count)), [2, *shape], datatype)
+    assert tuple(x.shape) == (2, *shape) and x.dtype == (torch.int64 if kind == "text" else torch.float32)
+    other = "FP32" if kind == "text" else "INT64"
+    for data, sent_shape, sent_type, words in [
+        (list(range(count)), [1, *shape], other, "datatype"),
+        (list(range(count)), [1, *shape, 1], datatype, "shape"),
+        (list(range(5 * count)), [5, *shape], datatype, "1 to 4"),
+        ([1] * (count - 1), [1, *shape], datatype, "were sent"),
+        (["x"] * count, [1, *shape], datatype, "not"),
+    ]:
+        with pytest.raises(ServingError, match=words):
+            predictor.rows(data, sent_shape, sent_type)
+    if kind == "text":
+        with pytest.raises(ServingError, match="Token ids are 0 to 9"):
+            predictor.rows([0, 1, 2, 10], [1, 4], "INT64")
+    else:
+        with pytest.raises(ServingError, match="NaN"):
+            predictor.rows([float("nan")] * count, [1, *shape], "FP32")
