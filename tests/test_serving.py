@@ -167,7 +167,7 @@ class _Linear(torch.nn.Module):
         return self.linear(x.flatten(1))
 
 
-def _tiny_line(root: Path, clients: int, promote: bool = True) -> ModelLine:
+def _tiny_line(root: Path, clients: int, promote: bool = True, with_global: bool = False) -> ModelLine:
     """A line whose one version has `clients` personalized models (a linear classifier each, exported as fedpipe
     exports: torch.export), and no global model."""
     import fedpipe.models.export as export
@@ -180,7 +180,12 @@ def _tiny_line(root: Path, clients: int, promote: bool = True) -> ModelLine:
     for c in range(clients):
         entries[f"site-{c}"] = export.ServedFile(f"clients/site-{c}.pt2", exported.format, exported.exporter, c, 1.0)
         files[entries[f"site-{c}"].file] = exported.data
-    spec = export.ServingSpec("r", "local", "linear", "image", (1, 2, 2), (0.0,), (1.0,), ("a", "b", "c"), None, entries)
+    glob = None
+    if with_global:  # another model than the clients': the answer tells which one answered
+        other = export_model(_Linear().eval(), torch.rand(2, 1, 2, 2) * 255)
+        glob = export.ServedFile("global.pt2", other.format, other.exporter)
+        files[glob.file] = other.data
+    spec = export.ServingSpec("r", "fedavg_ft", "linear", "image", (1, 2, 2), (0.0,), (1.0,), ("a", "b", "c"), glob, entries)
     files[export.SPEC_FILE] = spec.to_bytes()
     record = VersionRecord(0, "r", ModelSpec("linear", "local", (1, 2, 2), 3, ("a", "b", "c")), "", None, {}, tuple(entries))
     version = line.register(record, files).version
@@ -312,3 +317,18 @@ def test_each_input_kind_is_checked_in_its_raw_form(kind):
     else:
         with pytest.raises(ServingError, match="NaN"):
             predictor.rows([float("nan")] * count, [1, *shape], "FP32")
+
+
+def test_an_unknown_client_gets_the_global_model_or_a_404_as_configured(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDPIPE_SIGNING_KEY", raising=False)
+    line = _tiny_line(tmp_path, 2, with_global=True)
+    x = torch.tensor([[[[0.0, 64.0], [128.0, 255.0]]]])
+    fallback = LinePredictor(line, 1, ServeOptions(trust_unsigned=True, unknown_client="global"))
+    unknown, nobody, known = fallback.predict("site-9", x), fallback.predict(None, x), fallback.predict("site-1", x)
+    assert (unknown.model, unknown.client) == (nobody.model, nobody.client) == ("global", None)
+    assert np.array_equal(unknown.probabilities, nobody.probabilities) and known.model == "personalized"
+    assert not np.allclose(unknown.probabilities, known.probabilities)  # the global model answered, not a client's
+    strict = LinePredictor(line, 1, ServeOptions(trust_unsigned=True, unknown_client="404"))
+    with pytest.raises(ServingError, match="No client 'site-9'.*site-0, site-1") as e:
+        strict.predict("site-9", x)
+    assert e.value.status == 404 and strict.predict(None, x).model == "global"
