@@ -117,3 +117,108 @@ def test_fedpipe_models_deploy_writes_it_for_the_promoted_version(s3_env, raw_cl
     assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "6Gi"}}
     refused = runner.invoke(app, ["models", "deploy", "sites", "--store", "s3://serving/fedpipe"])
     assert refused.exit_code == 2 and "--signing-secret" in refused.output
+
+
+class _InferenceServiceApi:
+    """A stand-in of the Kubernetes API server for one resource type, InferenceServices, for `--apply` (NOT Kubernetes:
+    nothing reconciles). What it enforces is the API server's own: a create of a taken name is 409 AlreadyExists; a
+    replace must carry the stored metadata.resourceVersion (else 409 Conflict) and bumps it; an object the CRD's schema
+    refuses (KServe v0.18.0's, closed as above) is 422 Invalid, answered as Status objects the client parses."""
+
+    PATH = "/apis/serving.kserve.io/v1beta1/namespaces/"
+
+    def __init__(self):
+        import http.server
+        import json
+        import threading
+
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.calls: list[str] = []
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self):
+                rest = self.path.split("?")[0].removeprefix(stand_in.PATH).split("/")
+                stand_in.calls.append(f"{self.command} {self.path}")
+                return (rest[0], rest[2] if len(rest) > 2 else None) if len(rest) >= 2 and rest[1] == "inferenceservices" else (None, None)
+
+            def do_GET(self):
+                ns, name = self._route()
+                found = stand_in.objects.get((ns, name))
+                self._answer(200, found) if found else self._answer(404, _status(404, "NotFound", f"{name} not found"))
+
+            def do_POST(self):
+                ns, _ = self._route()
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                key = (ns, doc["metadata"]["name"])
+                if key in stand_in.objects:
+                    return self._answer(409, _status(409, "AlreadyExists", "already exists"))
+                if problems := crd_schema_problems(KSERVE["v0.18.0"], doc):
+                    return self._answer(422, _status(422, "Invalid", "; ".join(problems)))
+                doc["metadata"]["resourceVersion"] = "1"
+                stand_in.objects[key] = doc
+                self._answer(201, doc)
+
+            def do_PUT(self):
+                ns, name = self._route()
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                current = stand_in.objects.get((ns, name))
+                if current is None:
+                    return self._answer(404, _status(404, "NotFound", f"{name} not found"))
+                if doc["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+                    return self._answer(409, _status(409, "Conflict", "the object has been modified"))
+                if problems := crd_schema_problems(KSERVE["v0.18.0"], {**doc, "metadata": {}}):
+                    return self._answer(422, _status(422, "Invalid", "; ".join(problems)))
+                doc["metadata"]["resourceVersion"] = str(int(current["metadata"]["resourceVersion"]) + 1)
+                stand_in.objects[(ns, name)] = doc
+                self._answer(200, doc)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def kubeconfig(self, folder: Path) -> Path:
+        path = folder / "kubeconfig"
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+            "clusters": [{"name": "standin", "cluster": {"server": f"http://127.0.0.1:{self.server.server_address[1]}"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "u", "namespace": "team-a"}}]}))
+        return path
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code}
+
+
+def test_apply_creates_the_inference_service_then_replaces_it(tmp_path, monkeypatch):
+    from fedpipe.errors import FedpipeError
+    from fedpipe.serving.inference_service import apply
+
+    api = _InferenceServiceApi()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(tmp_path)))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        first = inference_service(ServingDeployment("sites", 1, "s3://b/p", "img:1", storage="model-registry", trust_unsigned=True))
+        assert apply(first, "team-a") == "created InferenceService team-a/sites"
+        second = inference_service(ServingDeployment("sites", 2, "s3://b/p", "img:1", storage="model-registry", trust_unsigned=True))
+        assert apply(second, "team-a") == "replaced InferenceService team-a/sites"
+        stored = api.objects[("team-a", "sites")]
+        assert stored["metadata"]["resourceVersion"] == "2" and stored["metadata"]["annotations"]["fedpipe.io/deployed-version"] == "2"
+        assert {"name": "STORAGE_URI", "value": "model-registry://sites/2"} in stored["spec"]["predictor"]["containers"][0]["env"]
+        wrong = copy.deepcopy(second)
+        wrong["spec"]["predictor"]["maxReplicas"] = "two"
+        with pytest.raises(FedpipeError, match="422.*maxReplicas"):
+            apply(wrong, "team-a")
+    finally:
+        api.server.shutdown()
