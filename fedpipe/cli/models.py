@@ -306,6 +306,7 @@ def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt =
                   namespace: Annotated[Optional[str], typer.Option(help="Namespace of the InferenceService (a Kubeflow profile's, e.g. kubeflow-user-example-com); needed with --apply.")] = None,
                   image: Annotated[str, typer.Option(help="The predictor's image: fedpipe's image, which has the serve extra.")] = f"ghcr.io/fedpipe/fedpipe:{__version__}",
                   storage: Annotated[str, typer.Option(help="How the predictor gets the models: 'store' reads the line from the store and follows the promoted version (a promotion is served within --reload-seconds, no rollout); 's3' or 'model-registry' pins the version promoted now as the predictor's STORAGE_URI (s3://.../models/NAME/versions/N/, or model-registry://NAME/N for a version registered in Kubeflow Hub), which KServe downloads; a promotion then needs another deploy.")] = "store",
+                  hub_model: Annotated[Optional[str], typer.Option(help="With --storage model-registry: the model's name in Kubeflow Hub (registry.kubeflow_hub.model of the runs; default: the line's name).")] = None,
                   pin: Annotated[bool, typer.Option("--pin", help="With --storage store: serve the version promoted now, never another.")] = False,
                   signing_secret: Annotated[Optional[str], typer.Option(help="Secret holding the signing key the line's runs signed with, under the key 'key' (the chart's: <release>-signing).")] = None,
                   trust_unsigned: Annotated[bool, typer.Option("--trust-unsigned", help="Serve an unsigned line (no --signing-secret): only if everyone who can write the store is trusted.")] = False,
@@ -332,7 +333,7 @@ def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt =
     deployment = ServingDeployment(line=name, version=version, store=url, image=image, namespace=namespace, storage=storage, follow=not pin,
                                    cache_size=cache_size, unknown_client=unknown_client, reload_seconds=reload_seconds, s3_endpoint=s3_endpoint,
                                    storage_secret=s3_secret, signing_secret=signing_secret, trust_unsigned=trust_unsigned,
-                                   service_account=service_account,
+                                   service_account=service_account, hub_model=hub_model,
                                    resources={"requests": {"cpu": cpu_req, "memory": mem_req}, "limits": {"cpu": cpu_lim or cpu_req, "memory": mem_lim or mem_req}})
     doc = inference_service(deployment)
     if not apply:

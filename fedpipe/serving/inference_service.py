@@ -51,6 +51,7 @@ class ServingDeployment:
     secret_key_key: str = "secretkey"
     signing_secret: str | None = None
     trust_unsigned: bool = False
+    hub_model: str | None = None  # the RegisteredModel's name in Kubeflow Hub (registry.kubeflow_hub.model; default: the line's)
     service_account: str | None = None
     min_replicas: int = 1
     max_replicas: int = 1
@@ -83,7 +84,7 @@ def resource_name(line: str) -> str:
 def storage_uri(d: ServingDeployment) -> str:
     """Where the version lives: the store's folder of it, or its Kubeflow Hub address."""
     if d.storage == "model-registry":
-        return f"model-registry://{d.line}/{d.version}"
+        return f"model-registry://{d.hub_model or d.line}/{d.version}"  # ModelVersions are named by the version number
     return d.store.rstrip("/") + "/" + LineKeys(d.line).version(d.version)
 
 

@@ -115,6 +115,9 @@ def test_fedpipe_models_deploy_writes_it_for_the_promoted_version(s3_env, raw_cl
     container = doc["spec"]["predictor"]["containers"][0]
     assert {"name": "STORAGE_URI", "value": "model-registry://sites/2"} in container["env"] and "sites@2" in container["args"]
     assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "6Gi"}}
+    named = runner.invoke(app, ["models", "deploy", "sites", "--store", "s3://serving/fedpipe", "--trust-unsigned", "--storage", "model-registry",
+                                "--hub-model", "digit-sites"])
+    assert {"name": "STORAGE_URI", "value": "model-registry://digit-sites/2"} in yaml.safe_load(named.output)["spec"]["predictor"]["containers"][0]["env"]
     refused = runner.invoke(app, ["models", "deploy", "sites", "--store", "s3://serving/fedpipe"])
     assert refused.exit_code == 2 and "--signing-secret" in refused.output
 
