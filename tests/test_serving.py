@@ -152,10 +152,16 @@ def test_bad_requests_get_a_clear_4xx_json_answer(served):
     _is_clear(*_post(infer, _v2(pixels, "0"), {"Fedpipe-Client": "1"}), 400, "different clients")
     big = _v2(np.zeros((1000, 1, 8, 8)), "0")  # ~320 KB of JSON, over the server's 64 KiB
     _is_clear(*_post(infer, big), 413, "at most 65,536", "fewer rows")
+    for client in ("0", "1"):
+        assert _post(infer, _v2(pixels, client))[0] == 200
+    with urllib.request.urlopen(f"{url}/v2/models/{LINE}", timeout=10) as response:  # the model's metadata says what to send
+        metadata = json.loads(response.read())
+    assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
+    assert [o["name"] for o in metadata["outputs"]] == ["probabilities", "label", "label_index"]
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     cached = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("fedpipe_serving_cached_models{")]
-    assert cached and 1 <= cached[0] <= 2  # --cache-size 2, after every method's two clients were served
+    assert cached and 1 <= cached[0] <= 2  # --cache-size 2
 
 
 class _Linear(torch.nn.Module):

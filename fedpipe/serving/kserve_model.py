@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import Gauge  # a dependency of kserve
 
 from fedpipe.errors import FedpipeError
-from fedpipe.serving.predictor import LinePredictor, Prediction, ServingError
+from fedpipe.serving.predictor import DTYPES, LinePredictor, Prediction, ServingError
 
 _argv, sys.argv = sys.argv, sys.argv[:1]  # kserve.model_server parses sys.argv when imported: not fedpipe's options
 try:
@@ -77,8 +77,6 @@ class LineModel(Model):
 
     def get_input_types(self) -> list[dict]:
         spec = self.predictor.spec
-        from fedpipe.serving.predictor import DTYPES
-
         return [{"name": "input", "datatype": DTYPES[spec.input_kind][0], "shape": [-1, *spec.input_shape]}]
 
     def get_output_types(self) -> list[dict]:
