@@ -338,3 +338,32 @@ def test_an_unknown_client_gets_the_global_model_or_a_404_as_configured(tmp_path
     with pytest.raises(ServingError, match="No client 'site-9'.*site-0, site-1") as e:
         strict.predict("site-9", x)
     assert e.value.status == 404 and strict.predict(None, x).model == "global"
+
+
+def test_a_chunked_body_over_the_limit_is_refused_before_the_app_sees_it():
+    """A body without Content-Length (chunked) is counted as it arrives: past the bound, 413 and the app never runs."""
+    import asyncio
+
+    from fedpipe.serving.kserve_model import BodyLimit
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(await receive())
+
+    async def run(chunks: list[bytes]) -> list[dict]:
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+        sent = []
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        await BodyLimit(app, max_bytes=1000)({"type": "http", "headers": [(b"transfer-encoding", b"chunked")]}, receive, send)
+        return sent
+
+    refused = asyncio.run(run([b"x" * 600, b"x" * 600, b"x" * 600]))
+    assert refused[0]["status"] == 413 and b"at most 1,000" in refused[1]["body"] and seen == []
+    assert asyncio.run(run([b"x" * 600, b"x" * 300])) == [] and seen == [{"type": "http.request", "body": b"x" * 600, "more_body": True}]
