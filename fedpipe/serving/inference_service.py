@@ -17,6 +17,7 @@ get the models, chosen by `storage`:
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -142,11 +143,16 @@ def apply(doc: dict, namespace: str) -> str:
     from kubernetes import client, config
     from kubernetes.client.rest import ApiException
 
+    configuration = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        config.load_kube_config()
-    api = client.CustomObjectsApi()
+        try:  # $KUBECONFIG read now: the client reads it once, when it is imported
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration)
+        except (config.ConfigException, OSError) as e:
+            raise FedpipeError(f"Cannot reach the Kubernetes API to write the InferenceService: not in a cluster and no "
+                               f"usable kubeconfig ({e}). Print it instead (without --apply) and apply it with kubectl.") from None
+    api = client.CustomObjectsApi(client.ApiClient(configuration))
     group, version = API_VERSION.split("/")
     name, plural = doc["metadata"]["name"], "inferenceservices"
     doc = {**doc, "metadata": {**doc["metadata"], "namespace": namespace}}
