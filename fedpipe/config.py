@@ -9,10 +9,12 @@ parameters each dataset, partition scheme, network and method declares beside it
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+import typing
+from functools import cache
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedpipe.errors import ConfigError
 from fedpipe.safe_load import parse_yaml
@@ -96,6 +98,40 @@ class Section(BaseModel):
 
     # coerce_numbers_to_str: `--set run.id=123` (parsed as YAML, so a number) still names a string field
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_booleans(cls, data: Any) -> Any:
+        """YAML 1.1 (PyYAML, a config file or `--set`) reads on/off/yes/no/true/false as booleans: a
+        field whose allowed words include one of them gets the word back (`engine.amp: off`)."""
+        if not isinstance(data, dict):
+            return data
+        words = _boolean_words(cls)
+        fixed = {k: words[k][v] for k, v in data.items() if isinstance(v, bool) and v in words.get(k, {})}
+        return {**data, **fixed} if fixed else data
+
+
+#: The words YAML 1.1 resolves to True / False, in the order a field's own spelling is looked for.
+_YAML_TRUE, _YAML_FALSE = ("on", "yes", "true"), ("off", "no", "false")
+
+
+def _literal_words(annotation: Any) -> set[str]:
+    """The string values of every Literal inside `annotation` (through unions and Annotated)."""
+    if typing.get_origin(annotation) is Literal:
+        return {a for a in typing.get_args(annotation) if isinstance(a, str)}
+    return set().union(*(_literal_words(a) for a in typing.get_args(annotation)))
+
+
+@cache
+def _boolean_words(section: type[BaseModel]) -> dict[str, dict[bool, str]]:
+    """For each field of `section` that allows a word YAML reads as a boolean: {True: word, False: word}."""
+    out: dict[str, dict[bool, str]] = {}
+    for name, field in section.model_fields.items():
+        allowed = _literal_words(field.annotation)
+        pick = {flag: next((w for w in words if w in allowed), None) for flag, words in ((True, _YAML_TRUE), (False, _YAML_FALSE))}
+        if any(pick.values()):
+            out[name] = {flag: w for flag, w in pick.items() if w is not None}
+    return out
 
 
 class RunSection(Section):

@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 try:
@@ -41,7 +43,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 from fedpipe.errors import CorruptArtifactError, StoreError
-from fedpipe.store.base import SIDECAR_DIR, TEMP_PREFIX, Store, sha256_hex, validate_key, validate_prefix
+from fedpipe.store.base import PUT_MANY_THREADS, SIDECAR_DIR, TEMP_PREFIX, Store, sha256_hex, validate_key, validate_prefix
 
 __all__ = ["LocalStore"]
 
@@ -246,6 +248,66 @@ class LocalStore(Store):
 
     def put(self, key: str, data: bytes) -> str:
         return self._put_when(key, data, _ANY)[1]
+
+    def put_many(self, items: Mapping[str, bytes]) -> dict[str, str]:
+        """The write protocol for many objects, a folder at a time under its lock: new objects' sidecar
+        and data temp files are written (and fsynced) side by side by a few threads, the sidecars are
+        renamed into place before the data, and each folder is fsynced once, not once per object
+        (a round's client states: 3 serial fsyncs each before). Objects being replaced take the
+        one-at-a-time path."""
+        folders: dict[Path, list[tuple[Path, bytes]]] = defaultdict(list)
+        for key, data in items.items():
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise StoreError(f"Can only store bytes under {key!r}, got {type(data).__name__}.")
+            path = self._path(key)
+            folders[path.parent].append((path, bytes(data)))
+        try:
+            for entries in folders.values():
+                with _locked(entries[0][0]):
+                    self._put_folder(entries)
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise StoreError(f"Could not write artifacts under {self.root}: {exc.strerror or exc}. "
+                             "Check free disk space and permissions on the store folder.") from exc
+        return {k: sha256_hex(bytes(d)) for k, d in items.items()}
+
+    def _put_folder(self, entries: list[tuple[Path, bytes]]) -> None:
+        """`put_many` for objects of one folder; the caller holds the folder's lock."""
+        fresh = [(path, data) for path, data in entries if not path.exists()]
+        for path, data in entries:
+            if path.exists():
+                _write_object(path, self._sidecar(path), data, sha256_hex(data))
+        if not fresh:
+            return
+        folder = fresh[0][0].parent
+        (folder / SIDECAR_DIR).mkdir(parents=True, exist_ok=True)
+
+        def temps(entry: tuple[Path, bytes]) -> tuple[Path, Path]:
+            path, data = entry
+            return _write_temp(folder / SIDECAR_DIR, f"{sha256_hex(data)}  {path.name}\n".encode()), _write_temp(folder, data)
+
+        with ThreadPoolExecutor(max_workers=min(PUT_MANY_THREADS, len(fresh)), thread_name_prefix="fedpipe-put") as pool:
+            futures = [pool.submit(temps, e) for e in fresh]
+        written = [f.result() for f in futures if f.exception() is None]
+        try:
+            if len(written) < len(futures):
+                raise next(f.exception() for f in futures if f.exception() is not None)
+            for (path, _), (sidecar_tmp, _) in zip(fresh, written):
+                os.replace(sidecar_tmp, self._sidecar(path))
+            _fsync_dir(folder / SIDECAR_DIR)
+            for (path, _), (_, data_tmp) in zip(fresh, written):
+                os.replace(data_tmp, path)
+        except BaseException:
+            for path, _ in fresh:  # a sidecar without its object is removed; the object rename is the commit
+                if not path.exists():
+                    _restore_sidecar(self._sidecar(path), None, had_object=False)
+            for pair in written:
+                for tmp in pair:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(folder)
 
     def create(self, key: str, data: bytes) -> bool:
         return self._put_when(key, data, None)[0]
