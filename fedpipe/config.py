@@ -299,11 +299,22 @@ class EngineConfig(Section):
     this size; the least recently used beyond it spill to the store (<run>/phases/<phase>/clients/,
     one immutable object per client and round; checkpoints then refer to them) and come back when
     the client is used again."""
+    graphs: Literal["off", "on"] = "off"
+    """Batched mode: the steps in which every client of a chunk takes a full batch run on static
+    buffers, captured once per chunk and stage as a CUDA graph on a GPU and replayed (no kernel
+    launches from Python); an epoch's ragged last batch, masked steps, and a stage whose capture fails
+    (an op that syncs with the host: logged) run eagerly. The same numbers as off (on a CPU the static
+    step runs uncaptured, which the tests check bit for bit). Off by default until
+    `benchmarks/gpu.py` has measured it on a GPU."""
     channels_last: Literal["auto", "on", "off"] = "auto"
     """Images in channels-last memory layout (faster convolutions with oneDNN and cuDNN); auto: on for
     convolutional models."""
-    amp: Literal["off", "bf16"] = "off"
-    """bf16 autocast of the forward pass on a GPU (ignored on a CPU)."""
+    amp: Literal["auto", "off", "bf16"] = "auto"
+    """bf16 autocast of the local training's forward and backward (fp32 master weights, optimizer
+    state and aggregation). auto: bf16 on a GPU with bf16 tensor cores (compute capability 8.0+),
+    off elsewhere; the choice is recorded beside the phase's checkpoints (engine.json) like
+    engine.clients and reused on resume. bf16: on any GPU, and on a CPU (CPU autocast: slower than
+    fp32 without AMX; for checking a bf16 run's numbers). Evaluation always runs in fp32."""
 
 
 class TelemetryConfig(Section):

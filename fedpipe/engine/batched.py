@@ -16,6 +16,7 @@ layers have no vmap rule (an LSTM). Those clients train one by one.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,6 +26,11 @@ from torch.func import vmap
 from fedpipe.algorithms.base import Algorithm, ClientContext, Slots, Stage
 from fedpipe.engine.schedule import Step, stage_steps
 from fedpipe.engine.sequential import ClientStats, autocast
+
+log = logging.getLogger(__name__)
+
+#: Steps run on a side stream before a CUDA graph is captured (cuBLAS and the allocator settle).
+GRAPH_WARMUP_STEPS = 3
 
 
 @dataclass
@@ -141,9 +147,81 @@ def _step_gradients(stack: _Stack, mapped, params: Slots, schedules: list[list[S
     return grads
 
 
+class _StaticStep:
+    """The step of a chunk in which every client takes a full batch (all steps but an epoch's ragged
+    last one, when every client has as many), on static buffers: each step's inputs are copied into
+    tensors allocated once, so the same kernels run on the same addresses every time. On a GPU the
+    step (forward, backward and SGD update, in place on the stack) is captured once as a CUDA graph
+    and replayed: no kernel launches from Python, which is what bounds a batched step at small
+    chunks. Elsewhere, or when capture fails (an op that syncs with the host), the same function is
+    called as it is; either way it computes exactly what the eager step computes."""
+
+    def __init__(self, stack: _Stack, mapped, params: Slots, buffers: dict, noisy: bool, amp: bool, sgd: dict):
+        self.stack, self.mapped, self.params, self.buffers = stack, mapped, params, buffers
+        self.noisy, self.amp, self.sgd = noisy, amp, sgd
+        self.x = self.y = self.noise = self.losses = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager_only = stack.device.type != "cuda"
+
+    def _compute(self) -> None:
+        keys = [(name, k) for name in self.params for k in self.params[name]]
+        with autocast(self.stack.device, self.amp):
+            losses = self.mapped(self.stack.view(None), self.x, self.y, self.noise)
+        grads = torch.autograd.grad(losses.sum(), [self.params[name][k] for name, k in keys])
+        with torch.no_grad():
+            for key, g in zip(keys, grads):
+                _sgd_step(self.params[key[0]][key[1]], g, self.buffers[key], None, **self.sgd)
+        self.losses = losses.detach()
+
+    def _capture(self) -> None:
+        """Warm up on a side stream, capture, and put the weights and buffers back as they were (the
+        warm-up steps trained them; a capture only records)."""
+        state = [t for tensors in self.params.values() for t in tensors.values()] + list(self.buffers.values())
+        saved = [t.detach().clone() for t in state]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP_STEPS):
+                    self._compute()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._compute()
+            self.graph = graph
+        except Exception as e:  # noqa: BLE001 - any capture failure: the eager step computes the same
+            log.info("CUDA graph capture failed (%s: %s); the step runs eagerly.", type(e).__name__, str(e)[:200])
+            self.eager_only = True
+        finally:
+            with torch.no_grad():
+                for t, v in zip(state, saved):
+                    t.copy_(v)
+
+    def run(self, schedules: list[list[Step]], t: int) -> None:
+        stack = self.stack
+        x = torch.stack([job.ctx.data.train.x[schedules[c][t].index] for c, job in enumerate(stack.jobs)])
+        y = torch.stack([job.ctx.data.train.y[schedules[c][t].index] for c, job in enumerate(stack.jobs)])
+        noise = torch.stack([sched[t].noise for sched in schedules]).to(stack.device) if self.noisy else None
+        if self.x is None:
+            self.x, self.y, self.noise = x.clone(), y.clone(), None if noise is None else noise.clone()
+        else:
+            self.x.copy_(x)
+            self.y.copy_(y)
+            if noise is not None:
+                self.noise.copy_(noise)
+        if self.graph is None and not self.eager_only:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._compute()
+        stack.tally(list(range(stack.count)), None, self.losses, int(y.shape[1]))
+
+
 def _train_stage(algorithm: Algorithm, stack: _Stack, s: int, stage: Stage, *, batch_size: int, lr: float,
-                 momentum: float, weight_decay: float, amp: bool) -> None:
-    """Stage `s` of every client, step by step; a client out of steps is masked out of the update."""
+                 momentum: float, weight_decay: float, amp: bool, graphs: bool = False) -> None:
+    """Stage `s` of every client, step by step; a client out of steps is masked out of the update.
+    With `graphs`, the steps where every client takes a full batch run as one `_StaticStep`."""
     stage_lr = stage.lr if stage.lr is not None else lr * stage.lr_scale
     params = {name: stack.tensors[name] for name in stage.trainable}
     stack.train_only(stage.trainable)
@@ -151,8 +229,13 @@ def _train_stage(algorithm: Algorithm, stack: _Stack, s: int, stage: Stage, *, b
     schedules = [stage_steps(algorithm, job.ctx, job.stages[s], batch_size, job.generator) for job in stack.jobs]
     noisy = any(step.noise is not None for sched in schedules for step in sched)
     mapped = vmap(stage.loss, in_dims=(stack.dims, 0, 0, 0 if noisy else None))
+    static = _StaticStep(stack, mapped, params, buffers, noisy, amp,
+                         dict(lr=stage_lr, momentum=momentum, weight_decay=weight_decay)) if graphs else None
     for t in range(max(len(sched) for sched in schedules)):
         active = [c for c in range(stack.count) if t < len(schedules[c])]
+        if static is not None and len(active) == stack.count and all(int(sched[t].index.numel()) == batch_size for sched in schedules):
+            static.run(schedules, t)  # static shapes: the chunk's every client on a full batch
+            continue
         grads = _step_gradients(stack, mapped, params, schedules, t, active, noisy, amp)
         mask = None
         if len(active) < stack.count:
@@ -172,13 +255,15 @@ def train_batched(
     momentum: float,
     weight_decay: float,
     amp: bool = False,
+    graphs: bool = False,
 ) -> list[tuple[Slots, ClientStats]]:
     """Train `jobs` (same slot layout and stage keys) together; returns each client's trained slots
-    (detached, owning their memory) and statistics, in the order of `jobs`."""
+    (detached, owning their memory) and statistics, in the order of `jobs`. `graphs`: full-batch
+    steps on static buffers, captured as CUDA graphs on a GPU (`_StaticStep`)."""
     stack = _Stack(jobs)
     for s, stage in enumerate(jobs[0].stages):
         _train_stage(algorithm, stack, s, stage, batch_size=batch_size, lr=lr, momentum=momentum,
-                     weight_decay=weight_decay, amp=amp)
+                     weight_decay=weight_decay, amp=amp, graphs=graphs)
     stack.train_only(())
     return stack.results()
 

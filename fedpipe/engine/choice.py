@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from fedpipe.config import MAX_PROCESSES
 
 log = logging.getLogger(__name__)
@@ -42,18 +44,21 @@ class EngineChoice:
     threads: int | None
     why: str
     recorded: bool = False  # already in the run's record (or nothing to record)
+    amp: str = "off"  # "bf16" or "off": engine.amp resolved (`amp_mode`)
 
     def to_json(self) -> dict:
-        return {"clients": self.clients, "processes": self.processes, "threads": self.threads, "why": self.why}
+        return {"clients": self.clients, "processes": self.processes, "threads": self.threads, "why": self.why, "amp": self.amp}
 
     @classmethod
     def from_json(cls, d: dict, recorded: bool = False) -> EngineChoice:
         """A recorded choice (engine.json, read back from the store); ValueError when it is not one a run
         could have made. Its processes are clamped to the usable cores where they start (`capped`)."""
         made = cls(str(d["clients"]), int(d["processes"]), None if d.get("threads") is None else int(d["threads"]),
-                   str(d.get("why", ""))[:1000], recorded)
+                   str(d.get("why", ""))[:1000], recorded, str(d.get("amp", "off")))  # records before amp: fp32
         if made.clients not in ("batched", "sequential"):
             raise ValueError(f"clients must be batched or sequential, not {made.clients[:50]!r}")
+        if made.amp not in ("bf16", "off"):
+            raise ValueError(f"amp must be bf16 or off, not {made.amp[:50]!r}")
         if made.processes < 1 or (made.threads is not None and made.threads < 1):
             raise ValueError("processes and threads must be at least 1")
         if made.processes > MAX_PROCESSES:  # the config's bound: the ranks re-validate the config it goes into
@@ -96,6 +101,19 @@ def clients_mode(requested: str, device_type: str) -> str:
     if requested != "auto":
         return requested
     return "batched" if device_type == "cuda" else "sequential"
+
+
+def amp_mode(requested: str, device: torch.device) -> str:
+    """engine.amp resolved: `auto` is bf16 on a GPU with bf16 tensor cores (compute capability 8.0 and
+    up: A100, H100, L4, RTX 30xx+), where it runs the forward at up to twice the speed with fp32
+    master weights; off elsewhere (on a CPU bf16 autocast is slower than fp32 unless it has AMX)."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_capability(index)[0] >= 8 and torch.cuda.is_bf16_supported():
+            return "bf16"
+    return "off"
 
 
 def choose(

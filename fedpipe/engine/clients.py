@@ -19,7 +19,7 @@ from fedpipe.algorithms.base import Algorithm, ClientContext, Params, Phase, Slo
 from fedpipe.config import EngineConfig, TrainConfig
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
-from fedpipe.engine.choice import clients_mode
+from fedpipe.engine.choice import amp_mode, clients_mode
 from fedpipe.engine.sequential import ClientStats, train_client
 from fedpipe.errors import FedpipeError
 from fedpipe.seeding import torch_generator
@@ -72,7 +72,7 @@ class ClientTrainer:
         self.mode = clients_mode(engine.clients, self.device.type)
         convolutional = any(isinstance(m, nn.Conv2d) for m in algorithm.model.modules())
         self.channels_last = engine.channels_last == "on" or (engine.channels_last == "auto" and convolutional)
-        self.amp = engine.amp == "bf16"
+        self.amp = amp_mode(engine.amp, self.device) == "bf16"  # a phase under torchrun resolves auto here
         self.failed_once = False  # only the first failing client's warning carries a traceback
 
     # --- one by one ---------------------------------------------------------------------------
@@ -126,7 +126,8 @@ class ClientTrainer:
     def _train_chunk(self, pairs: list[tuple[ClientWork, BatchJob]], round_: int, lr: float) -> list[ClientOutcome]:
         kw = self._train_kwargs(lr)
         results = train_batched(self.algorithm, [job for _, job in pairs], batch_size=kw["batch_size"], lr=lr,
-                                momentum=kw["momentum"], weight_decay=kw["weight_decay"], amp=self.amp)
+                                momentum=kw["momentum"], weight_decay=kw["weight_decay"], amp=self.amp,
+                                graphs=self.engine.graphs == "on")
         outcomes = []
         for (work, job), (slots, stats) in zip(pairs, results):
             try:

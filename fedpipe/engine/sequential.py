@@ -38,8 +38,11 @@ def channels_last(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def autocast(device: torch.device, amp: bool):
-    """bf16 autocast on a GPU when asked; a no-op context elsewhere."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp and device.type == "cuda")
+    """bf16 autocast of the forward (and so of its backward) when asked, on a GPU or a CPU; the weights,
+    their gradients, the optimizer's buffers and every aggregation stay fp32 (autocast casts an op's
+    inputs, never a parameter)."""
+    kind = device.type if device.type in ("cuda", "cpu") else "cpu"
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=amp and device.type in ("cuda", "cpu"))
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ builds the partition (or reads the previous phase's state) first, and only then 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from fedpipe.data.federated import FederatedData, prepare_data
 from fedpipe.data.partition import Partition, make_partition
 from fedpipe.data.partition.natural import unseen_test_classes
 from fedpipe.engine import distributed
-from fedpipe.engine.choice import EngineChoice, choose, clients_mode, usable_cores
+from fedpipe.engine.choice import EngineChoice, amp_mode, choose, clients_mode, usable_cores
 from fedpipe.engine.clients import ClientTrainer
 from fedpipe.engine.devices import resolve_device
 from fedpipe.engine.distributed import DistributedRound, TrainerRecipe
@@ -163,7 +164,7 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         resolve_device(self.cfg.run.device)  # a GPU given but unusable stops the phase here, before any rank starts
         choice = None if distributed.launched_by_torchrun() else engine_choice(self, phase_name)
         run = self if choice is None else Run(self.cfg.model_copy(update={"engine": self.cfg.engine.model_copy(
-            update={"clients": choice.clients, "processes": choice.processes})}), self.store)
+            update={"clients": choice.clients, "processes": choice.processes, "amp": choice.amp})}), self.store)
         run._bundle, run.warm_start = self._bundle, self.warm_start
         run.owner = self.owner  # one claim: the copy's step must not release a claim this Run holds
         run.unrecorded_choice = choice if choice is not None and not choice.recorded else None
@@ -376,8 +377,8 @@ def engine_choice(run: Run, phase_name: str) -> EngineChoice:
     recorded (a rerun or resume computes what the first attempt computed), else decided from static
     facts (`fedpipe.engine.choice`) and recorded. Only `auto` fields are resolved."""
     e, key = run.cfg.engine, run.layout.phase(phase_name).engine_choice
-    if e.clients != "auto" and e.processes != "auto":  # nothing to decide, nothing to record
-        return EngineChoice(e.clients, e.processes, None, "as configured", recorded=True)
+    if "auto" not in (e.clients, e.processes, e.amp):  # nothing to decide, nothing to record
+        return EngineChoice(e.clients, e.processes, None, "as configured", recorded=True, amp=e.amp)
     phase, _ = _phase_and_start(run, phase_name)
     run.check_record(create=False)  # the run's own errors first (not partitioned, another config)
     if run.store.exists(key):
@@ -387,24 +388,28 @@ def engine_choice(run: Run, phase_name: str) -> EngineChoice:
         except (TypeError, KeyError, ValueError, AttributeError):
             raise CorruptArtifactError(f"{run.store.url(key)} is not a valid engine choice. Delete it to choose again.") from None
         resolved = EngineChoice(made.clients if e.clients == "auto" else e.clients, made.processes if e.processes == "auto" else e.processes,
-                                made.threads if e.processes == "auto" else None, made.why, recorded=True)
+                                made.threads if e.processes == "auto" else None, made.why, recorded=True,
+                                amp=made.amp if e.amp == "auto" else e.amp)
         log.info("Phase %s: %s (%s; recorded in %s).", phase_name, _mode_words(resolved), resolved.why, run.store.url(key))
         return resolved
     if run.checkpoints(phase_name).has_final():  # nothing left to train: nothing to decide
-        return EngineChoice(clients_mode(e.clients, run.device.type), 1, None, "the phase has finished", recorded=True)
+        return EngineChoice(clients_mode(e.clients, run.device.type), 1, None, "the phase has finished", recorded=True,
+                            amp=amp_mode(e.amp, run.device))
     clients = run.load_partition().clients
     pool = [c for c in clients if not (phase.communicates and c.opt_out)]
     per_round = min(len(pool), max(1, round(run.cfg.train.client_fraction * len(clients)))) if phase.sample_clients else len(pool)
     mean_train = sum(len(c.train) for c in pool) / max(len(pool), 1)
     made = choose(clients=e.clients, processes=e.processes, threads=None, device_type=run.device.type, cores=usable_cores(),
                   clients_per_round=per_round, samples_per_round=round(per_round * mean_train * run.cfg.train.local_epochs))
+    made = dataclasses.replace(made, amp=amp_mode(e.amp, run.device))
     log.info("Phase %s: %s (%s).", phase_name, _mode_words(made), made.why)
     return made  # recorded by train_phase once the phase's inputs have been read (bad input writes nothing)
 
 
 def _mode_words(choice: EngineChoice) -> str:
     ways = "batched" if choice.clients == "batched" else "one by one"
-    return f"clients trained {ways} in {choice.processes} process{'es' * (choice.processes > 1)}"
+    amp = ", bf16 autocast" if choice.amp == "bf16" else ""
+    return f"clients trained {ways} in {choice.processes} process{'es' * (choice.processes > 1)}{amp}"
 
 
 def rank_trainer(spec: str, briefing: dict, device: torch.device) -> ClientTrainer:
