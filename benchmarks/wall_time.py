@@ -85,8 +85,8 @@ def one_run(setting: str, store: str) -> dict:
     for phase in run.phases():
         run.train(phase.name)
     wall = time.perf_counter() - t0
-    rounds = [json.loads(line) for path in (Path(store) / cfg.run_id()).rglob("rounds-*.jsonl")
-              for line in path.read_text().splitlines() if line.strip()]
+    reports = [p for p in (Path(store) / cfg.run_id()).rglob("rounds-*.jsonl") if ".sha256" not in p.parts]  # not the hash files
+    rounds = [json.loads(line) for path in reports for line in path.read_text().splitlines() if line.strip()]
     spent["rounds"] = sum(r.get("seconds", 0.0) for r in rounds if r.get("event", "round") == "round")
     spent["other"] = wall - sum(spent[p] for p in PARTS if p != "other")
     return {"setting": setting, "wall": wall, **spent, "round_count": len(rounds)}
