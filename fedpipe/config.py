@@ -284,8 +284,14 @@ class EngineConfig(Section):
     by one on a CPU (decided from the device, never from timings, so a config and seed always compute
     the same numbers; the log says what was chosen and why). The two agree within float tolerance,
     not bit for bit."""
-    chunk: int = Field(32, ge=1, le=MAX_CLIENTS)
-    """Batched mode: at most this many clients share one stacked step (bounds memory)."""
+    chunk: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_CLIENTS)] = "auto"
+    """Batched mode: at most this many clients share one stacked step (bounds memory). auto: the
+    largest chunk whose memory, measured per client from one probe step (its stacked weights,
+    gradients, momentum and the activations autograd saves), fits `chunk_memory_fraction` of the
+    device's free memory, at most the clients of a round; recorded beside the phase's checkpoints
+    (engine.json) and reused on resume (`fedpipe.engine.chunking`)."""
+    chunk_memory_fraction: float = Field(0.5, gt=0, le=0.95)
+    """engine.chunk=auto: the share of the GPU's free memory (or the CPU's available memory) a chunk may take."""
     processes: Literal["auto"] | Annotated[int, Field(ge=1, le=MAX_PROCESSES)] = "auto"
     """Worker processes for one phase on this machine (torch.distributed, gloo on CPU): the round's
     clients are spread over them and their uploads all-reduced. auto: on a CPU with 2+ usable cores

@@ -75,3 +75,27 @@ def test_amp_auto_is_resolved_once_recorded_and_reused(tmp_path):
     assert engine_choice(run, "federation").amp == "bf16"  # the resume computes what the first attempt computed
     pinned = small_run(tmp_path, "engine.amp=off", "train.rounds=1")
     assert engine_choice(pinned, "federation").amp == "off"  # an explicit setting wins over the record
+
+
+def test_chunk_auto_is_sized_from_a_probe_recorded_and_reused(tmp_path, monkeypatch):
+    """The probe's per-client bytes divide the budget; the chunk is written to engine.json and a rerun
+    of the phase takes it from there instead of probing again."""
+    import fedpipe.engine.clients as clients
+
+    budgets = []
+    monkeypatch.setattr(clients, "memory_budget", lambda device, fraction: budgets.append(fraction) or 3 * 2**20)
+    run = small_run(tmp_path, *BATCHED, "method.name=fedavg", "partition.scheme=iid", "train.rounds=1", "engine.chunk=auto")
+    train_all(run)
+    key = run.layout.phase("federation").engine_choice
+    recorded = json.loads(run.store.get_text(key))
+    # twonn: 199,210 weights (0.76 MiB) + gradient and momentum (1.52 MiB) + activations: ~2.4 MiB a
+    # client, x1.5 for temporaries: one client fits in 3 MiB, two do not
+    assert recorded["chunk"] == 1 and "MiB a client" in recorded["chunk_why"], recorded
+    assert 2.2 < float(recorded["chunk_why"].split(" MiB")[0]) < 3.0, recorded
+    assert budgets == [0.5]
+    monkeypatch.setattr(clients, "memory_budget", lambda device, fraction: 1 << 40)  # a bigger machine on resume
+    run.store.delete(run.layout.phase("federation").final)
+    again = engine_choice(run, "federation")
+    assert again.chunk == 1  # reused, not sized again
+    from fedpipe.engine.chunking import auto_chunk
+    assert auto_chunk(10 << 20, 1 << 30, 1000) == 68 and auto_chunk(10 << 20, 1 << 30, 20) == 20 and auto_chunk(1 << 40, 1, 5) == 1

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from fedpipe.config import MAX_PROCESSES
+from fedpipe.config import MAX_CLIENTS, MAX_PROCESSES
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,23 @@ class EngineChoice:
     why: str
     recorded: bool = False  # already in the run's record (or nothing to record)
     amp: str = "off"  # "bf16" or "off": engine.amp resolved (`amp_mode`)
+    chunk: int | None = None  # engine.chunk=auto resolved by the first batched round (`fedpipe.engine.chunking`); None: not yet
 
     def to_json(self) -> dict:
-        return {"clients": self.clients, "processes": self.processes, "threads": self.threads, "why": self.why, "amp": self.amp}
+        made = {"clients": self.clients, "processes": self.processes, "threads": self.threads, "why": self.why, "amp": self.amp}
+        return made if self.chunk is None else {**made, "chunk": self.chunk}
 
     @classmethod
     def from_json(cls, d: dict, recorded: bool = False) -> EngineChoice:
         """A recorded choice (engine.json, read back from the store); ValueError when it is not one a run
         could have made. Its processes are clamped to the usable cores where they start (`capped`)."""
         made = cls(str(d["clients"]), int(d["processes"]), None if d.get("threads") is None else int(d["threads"]),
-                   str(d.get("why", ""))[:1000], recorded, str(d.get("amp", "off")))  # records before amp: fp32
+                   str(d.get("why", ""))[:1000], recorded, str(d.get("amp", "off")),  # records before amp: fp32
+                   None if d.get("chunk") is None else int(d["chunk"]))
         if made.clients not in ("batched", "sequential"):
             raise ValueError(f"clients must be batched or sequential, not {made.clients[:50]!r}")
+        if made.chunk is not None and not 1 <= made.chunk <= MAX_CLIENTS:
+            raise ValueError(f"chunk must be between 1 and {MAX_CLIENTS}")
         if made.amp not in ("bf16", "off"):
             raise ValueError(f"amp must be bf16 or off, not {made.amp[:50]!r}")
         if made.processes < 1 or (made.threads is not None and made.threads < 1):

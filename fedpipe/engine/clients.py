@@ -10,6 +10,7 @@ left out of the round, not the end of the run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from fedpipe.config import EngineConfig, TrainConfig
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
 from fedpipe.engine.choice import amp_mode, clients_mode
+from fedpipe.engine.chunking import SAFETY, auto_chunk, client_bytes, memory_budget
 from fedpipe.engine.sequential import ClientStats, train_client
 from fedpipe.errors import FedpipeError
 from fedpipe.seeding import torch_generator
@@ -64,7 +66,7 @@ class ClientTrainer:
     seeded by (`seed`, "client", round, client id)."""
 
     def __init__(self, algorithm: Algorithm, phase: Phase, data: FederatedData, train: TrainConfig,
-                 engine: EngineConfig, seed: int):
+                 engine: EngineConfig, seed: int, on_chunk: Callable[[int, str], None] | None = None):
         self.algorithm, self.phase = algorithm, phase
         self.train_cfg, self.engine, self.seed = train, engine, seed
         self.by_id = {c.client_id: c for c in data.clients}
@@ -74,6 +76,8 @@ class ClientTrainer:
         self.channels_last = engine.channels_last == "on" or (engine.channels_last == "auto" and convolutional)
         self.amp = amp_mode(engine.amp, self.device) == "bf16"  # a phase under torchrun resolves auto here
         self.failed_once = False  # only the first failing client's warning carries a traceback
+        self.chunk = engine.chunk if engine.chunk != "auto" else None  # auto: sized at the first batched round
+        self.on_chunk = on_chunk  # told the chunk `auto` chose (the run records it)
 
     # --- one by one ---------------------------------------------------------------------------
     def _context(self, cid: int, round_: int) -> ClientContext:
@@ -153,7 +157,7 @@ class ClientTrainer:
             layout = tuple((name, tuple((k, tuple(t.shape)) for k, t in tensors.items())) for name, tensors in job.slots.items())
             groups.setdefault((layout, tuple(stage_key(s) for s in job.stages)), []).append(i)
         out: dict[int, ClientOutcome] = {}
-        chunk = self.engine.chunk
+        chunk = self.chunk or self._size_chunk(jobs[0][1], len(works))
         for rows in groups.values():
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
@@ -165,6 +169,20 @@ class ClientTrainer:
                 except Exception as e:  # no vmap rule for a layer, or one client broke the chunk
                     return f"the batched step failed ({type(e).__name__}: {e})"
         return [out[i] for i in range(len(works))]
+
+    def _size_chunk(self, job: BatchJob, clients: int) -> int:
+        """engine.chunk=auto: the largest chunk within the memory budget, from one probe (`chunking`)."""
+        per_client = client_bytes(self.algorithm, job.ctx, job.slots, job.stages, self.train_cfg.batch_size,
+                                  torch_generator(self.seed, "chunk-probe"))
+        budget = memory_budget(self.device, self.engine.chunk_memory_fraction)
+        self.chunk = auto_chunk(per_client, budget, clients)
+        why = (f"{per_client / 2**20:.1f} MiB a client (x{SAFETY} for the step's temporaries) within "
+               f"{budget / 2**30:.1f} GiB ({self.engine.chunk_memory_fraction:g} of the {self.device.type}'s free memory), "
+               f"at most the {clients} clients of a round")
+        log.info("Batched chunk: %d clients (%s).", self.chunk, why)
+        if self.on_chunk is not None:
+            self.on_chunk(self.chunk, why)
+        return self.chunk
 
     # --- the choice -----------------------------------------------------------------------------
     def train(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:

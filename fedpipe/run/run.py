@@ -106,8 +106,22 @@ class Run:  # size: a run's three steps and the building blocks they share (data
     def labels(self, phase: str) -> RunLabels:
         return RunLabels(self.layout.run_id, self.cfg.telemetry.pipeline, self.cfg.method.name, phase, self.cfg.data.dataset)
 
-    def trainer(self, algorithm: Algorithm, phase: Phase, data: FederatedData) -> ClientTrainer:
-        return ClientTrainer(algorithm, phase, data, self.cfg.train, self.cfg.engine, self.cfg.run.seed)
+    def trainer(self, algorithm: Algorithm, phase: Phase, data: FederatedData, record_chunk: bool = False) -> ClientTrainer:
+        """The phase's client trainer; with `record_chunk`, the chunk `engine.chunk=auto` picks is added
+        to the phase's engine.json (rank 0 only: one writer)."""
+        on_chunk = (lambda chunk, why: self._record_chunk(phase.name, chunk, why)) if record_chunk else None
+        return ClientTrainer(algorithm, phase, data, self.cfg.train, self.cfg.engine, self.cfg.run.seed, on_chunk)
+
+    def _record_chunk(self, phase: str, chunk: int, why: str) -> None:
+        key = self.layout.phase(phase).engine_choice
+        if self.store.exists(key):  # absent when nothing was auto but the chunk: then it is the whole record
+            made = EngineChoice.from_json(read_store_json(self.store, key, "engine choice", MAX_RECORD_BYTES, CorruptArtifactError,
+                                                          "Delete it to choose again."))
+        else:
+            e = self.cfg.engine  # under torchrun: the world size is torchrun's, not a choice
+            made = EngineChoice(clients_mode(e.clients, self.device.type), e.processes if isinstance(e.processes, int) else 1, None,
+                                "as configured", amp=amp_mode(e.amp, self.device))
+        self.store.put_text(key, json.dumps({**dataclasses.replace(made, chunk=chunk).to_json(), "chunk_why": why}, indent=2))
 
     def checkpoints(self, phase: str) -> Checkpoints:
         guard = self.owner.beat if self.owner.held else None  # a writer taken over stops before its next checkpoint
@@ -164,7 +178,8 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         resolve_device(self.cfg.run.device)  # a GPU given but unusable stops the phase here, before any rank starts
         choice = None if distributed.launched_by_torchrun() else engine_choice(self, phase_name)
         run = self if choice is None else Run(self.cfg.model_copy(update={"engine": self.cfg.engine.model_copy(
-            update={"clients": choice.clients, "processes": choice.processes, "amp": choice.amp})}), self.store)
+            update={"clients": choice.clients, "processes": choice.processes, "amp": choice.amp,
+                   **({"chunk": choice.chunk} if choice.chunk is not None and self.cfg.engine.chunk == "auto" else {})})}), self.store)
         run._bundle, run.warm_start = self._bundle, self.warm_start
         run.owner = self.owner  # one claim: the copy's step must not release a claim this Run holds
         run.unrecorded_choice = choice if choice is not None and not choice.recorded else None
@@ -336,7 +351,7 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
     if run.unrecorded_choice is not None:
         run.store.put_text(run.layout.phase(phase.name).engine_choice, json.dumps(run.unrecorded_choice.to_json(), indent=2))
     distributed.brief(group, partition.to_manifest())
-    trainer = run.trainer(algorithm, phase, data)
+    trainer = run.trainer(algorithm, phase, data, record_chunk=True)
     ranks = DistributedRound(group, trainer) if group is not None else None
     if ranks is not None:
         log.info("Phase %s runs over %d processes (%s).", phase.name, group.world, torch.distributed.get_backend())
@@ -377,7 +392,7 @@ def engine_choice(run: Run, phase_name: str) -> EngineChoice:
     recorded (a rerun or resume computes what the first attempt computed), else decided from static
     facts (`fedpipe.engine.choice`) and recorded. Only `auto` fields are resolved."""
     e, key = run.cfg.engine, run.layout.phase(phase_name).engine_choice
-    if "auto" not in (e.clients, e.processes, e.amp):  # nothing to decide, nothing to record
+    if "auto" not in (e.clients, e.processes, e.amp, e.chunk):  # nothing to decide, nothing to record
         return EngineChoice(e.clients, e.processes, None, "as configured", recorded=True, amp=e.amp)
     phase, _ = _phase_and_start(run, phase_name)
     run.check_record(create=False)  # the run's own errors first (not partitioned, another config)
@@ -389,7 +404,7 @@ def engine_choice(run: Run, phase_name: str) -> EngineChoice:
             raise CorruptArtifactError(f"{run.store.url(key)} is not a valid engine choice. Delete it to choose again.") from None
         resolved = EngineChoice(made.clients if e.clients == "auto" else e.clients, made.processes if e.processes == "auto" else e.processes,
                                 made.threads if e.processes == "auto" else None, made.why, recorded=True,
-                                amp=made.amp if e.amp == "auto" else e.amp)
+                                amp=made.amp if e.amp == "auto" else e.amp, chunk=made.chunk if e.chunk == "auto" else None)
         log.info("Phase %s: %s (%s; recorded in %s).", phase_name, _mode_words(resolved), resolved.why, run.store.url(key))
         return resolved
     if run.checkpoints(phase_name).has_final():  # nothing left to train: nothing to decide
