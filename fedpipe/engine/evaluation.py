@@ -174,14 +174,11 @@ def evaluate_personalized(
             return _with_choice(per_client, pick, algorithm, server, client_states, data, batch_size, ece_bins, on_global_test)
     results = []
     with eval_mode(algorithm.model):
-        plans = []
-        for client in data.clients:
+        shared = _shared_logits(algorithm, server, client_states, data, batch_size)
+        for i, client in enumerate(data.clients):
+            candidates = algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id)
             select_on = client.val if len(client.val) else client.train
-            # one forward per candidate for both splits
-            plans.append((algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id),
-                          select_on, torch.cat([select_on.x, client.test.x])))
-        shared = _shared_logits(algorithm, plans, batch_size)
-        for i, (client, (candidates, select_on, x)) in enumerate(zip(data.clients, plans)):
+            x = torch.cat([select_on.x, client.test.x])  # one forward per candidate for both splits
             cut = len(select_on)
             val, test, seen = [], [], {}
             for _, params in candidates:
@@ -208,30 +205,39 @@ def evaluate_personalized(
 SHARED_EVAL_SAMPLES = 65_536
 
 
-def _shared_logits(algorithm: Algorithm, plans: list[tuple[list[tuple[float, Params]], Split, torch.Tensor]],
+def _shared_logits(algorithm: Algorithm, server: ServerState, client_states: dict[int, Params], data: FederatedData,
                    batch_size: int) -> dict[tuple[int, int], torch.Tensor]:
-    """{(client index, id(params)): logits} for every model several clients share (FedAvg's global
-    model, SuPerFed's w_g for the clients without a local model), run over those clients' inputs
+    """{(client index, id(model)): logits on the client's selection and test inputs} for the server's
+    models that clients take as a candidate as they are (FedAvg's global model for every client,
+    SuPerFed's w_g for the clients without a local model), run over those clients' inputs
     concatenated: full evaluation batches instead of one small forward per client (10,000 clients'
     evaluation was most of a FedAvg run's wall time). Per-sample logits do not depend on the batch
-    (eval mode), so scores agree with one forward per client within float tolerance."""
-    users: dict[int, tuple[Params, list[int]]] = {}
-    for i, (candidates, _, _) in enumerate(plans):
-        for params in {id(p): p for _, p in candidates}.values():
-            users.setdefault(id(params), (params, []))[1].append(i)
+    (eval mode), so scores agree with one forward per client within float tolerance. Candidates are
+    looked at one client at a time and not kept (SuPerFed's 11 mixed models of 1,000 clients would
+    take gigabytes)."""
+    models = {id(m): m for m in (server.global_params, algorithm.global_model(server)) if m is not None}
+    users: dict[int, list[int]] = {pid: [] for pid in models}
+    for i, client in enumerate(data.clients):
+        taken = {id(p) for _, p in algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id)
+                 if id(p) in models and p is models[id(p)]}
+        for pid in taken:
+            users[pid].append(i)
+
+    def inputs(i: int) -> list[torch.Tensor]:
+        client = data.clients[i]
+        return [client.val.x if len(client.val) else client.train.x, client.test.x]
+
     out: dict[tuple[int, int], torch.Tensor] = {}
-    for pid, (params, rows) in users.items():
-        if len(rows) < 2:
-            continue
+    for pid, rows in users.items():
         start = 0
-        while start < len(rows):
+        while len(rows) > 1 and start < len(rows):
             part, n = [], 0
-            while start < len(rows) and (not part or n + len(plans[rows[start]][2]) <= SHARED_EVAL_SAMPLES):
+            while start < len(rows) and (not part or n + sum(len(t) for t in inputs(rows[start])) <= SHARED_EVAL_SAMPLES):
                 part.append(rows[start])
-                n += len(plans[rows[start]][2])
+                n += sum(len(t) for t in inputs(rows[start]))
                 start += 1
-            logits = predict(algorithm, params, torch.cat([plans[i][2] for i in part]), batch_size)
-            for i, piece in zip(part, logits.split([len(plans[i][2]) for i in part])):
+            logits = predict(algorithm, models[pid], torch.cat([t for i in part for t in inputs(i)]), batch_size)
+            for i, piece in zip(part, logits.split([sum(len(t) for t in inputs(i)) for i in part])):
                 out[(i, pid)] = piece
     return out
 
