@@ -371,3 +371,36 @@ def test_concurrent_writers_of_one_key_never_leave_an_object_failing_its_hash(st
         p.join(120)
     assert [p.exitcode for p in procs] == [0] * writers
     assert corrupt.value == 0, f"{corrupt.value} of {trials} trials left an object failing its hash"
+
+
+def test_put_many_writes_each_object_with_its_hash_and_one_folder_fsync(store: LocalStore, monkeypatch: pytest.MonkeyPatch):
+    """A round's client states: new objects written side by side, each readable and hash-checked;
+    a replaced one goes through `put`'s protocol; the folder is fsynced once, not once per object."""
+    store.put("run/c/old.pt", b"old")
+    dir_syncs = []
+    real = local_mod._fsync_dir
+    monkeypatch.setattr(local_mod, "_fsync_dir", lambda path: (dir_syncs.append(Path(path).name), real(path))[1])
+    items = {f"run/c/state-{i}.pt": bytes([i]) * 1000 for i in range(20)} | {"run/c/old.pt": b"new"}
+    digests = store.put_many(items)
+    assert digests == {k: hashlib.sha256(v).hexdigest() for k, v in items.items()}
+    assert all(store.get(k) == v for k, v in items.items())
+    assert dir_syncs.count("c") == 2  # the replaced object's own write, then one for the 20 new ones
+    assert not [f for f in all_files(store.root) if ".fedpipe-tmp-" in f]
+
+
+def test_put_many_interrupted_before_a_data_rename_leaves_no_object_and_no_sidecar(store: LocalStore, monkeypatch: pytest.MonkeyPatch):
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "state-3.pt" and Path(dst).parent.name != ".sha256":
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(local_mod.os, "replace", replace)
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.put_many({f"run/c/state-{i}.pt": b"x" * 10 for i in range(6)})
+    monkeypatch.undo()
+    written = store.list("run/c/")
+    assert written == [f"run/c/state-{i}.pt" for i in range(3)]  # renamed before the failure: complete objects
+    assert all(store.get(k) == b"x" * 10 for k in written)
+    assert sorted(all_files(store.root)) == sorted([f"run/c/state-{i}.pt" for i in range(3)] + [f"run/c/.sha256/state-{i}.pt" for i in range(3)])

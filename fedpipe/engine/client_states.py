@@ -182,7 +182,7 @@ class ClientStates(MutableMapping[int, Params]):
     def _evict(self, client_id: int) -> None:
         entry = self._entries[client_id]
         if entry.key is None:
-            self._write(client_id, entry)
+            self._write_many([client_id])
         entry.params = None
         self._resident_bytes -= entry.nbytes
         del self._resident[client_id]
@@ -192,14 +192,6 @@ class ClientStates(MutableMapping[int, Params]):
         if entry is not None and entry.params is not None:
             self._resident_bytes -= entry.nbytes
             self._resident.pop(client_id, None)
-
-    def _write(self, client_id: int, entry: _Entry) -> None:
-        data = serialize(client_id, entry.params)
-        key = self.layout.client_state(client_id, entry.round, hashlib.sha256(data).hexdigest()[:16])
-        self.store.put(key, data)
-        entry.key = key
-        self._writes += 1
-        self._written_bytes += len(data)
 
     def _write_many(self, client_ids: list[int]) -> None:
         """Write these clients' states in one `put_many` (the store overlaps the writes)."""

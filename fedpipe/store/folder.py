@@ -201,6 +201,44 @@ def _write_object(path: Path, sidecar: Path, data: bytes, digest: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _put_folder(entries: list[tuple[Path, bytes]], sidecar_of) -> None:
+    """`LocalStore.put_many` for objects of one folder; the caller holds the folder's lock."""
+    fresh = [(path, data) for path, data in entries if not path.exists()]
+    for path, data in entries:
+        if path.exists():
+            _write_object(path, sidecar_of(path), data, sha256_hex(data))
+    if not fresh:
+        return
+    folder = fresh[0][0].parent
+    (folder / SIDECAR_DIR).mkdir(parents=True, exist_ok=True)
+
+    def temps(entry: tuple[Path, bytes]) -> tuple[Path, Path]:
+        path, data = entry
+        return _write_temp(folder / SIDECAR_DIR, f"{sha256_hex(data)}  {path.name}\n".encode()), _write_temp(folder, data)
+
+    with ThreadPoolExecutor(max_workers=min(PUT_MANY_THREADS, len(fresh)), thread_name_prefix="fedpipe-put") as pool:
+        futures = [pool.submit(temps, e) for e in fresh]
+    written = [f.result() for f in futures if f.exception() is None]
+    try:
+        if len(written) < len(futures):
+            raise next(f.exception() for f in futures if f.exception() is not None)
+        for (path, _), (sidecar_tmp, _) in zip(fresh, written):
+            os.replace(sidecar_tmp, sidecar_of(path))
+        _fsync_dir(folder / SIDECAR_DIR)
+        for (path, _), (_, data_tmp) in zip(fresh, written):
+            os.replace(data_tmp, path)
+    except BaseException:
+        for path, _ in fresh:  # a sidecar without its object is removed; the object rename is the commit
+            if not path.exists():
+                _restore_sidecar(sidecar_of(path), None, had_object=False)
+        for pair in written:
+            for tmp in pair:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+
+
 def _confine(root: Path, path: Path, key: str) -> None:
     """Refuse `path` when, symlinks followed, it leads out of the root (a link to /etc, to $HOME)."""
     try:
@@ -264,50 +302,13 @@ class LocalStore(Store):
         try:
             for entries in folders.values():
                 with _locked(entries[0][0]):
-                    self._put_folder(entries)
+                    _put_folder(entries, self._sidecar)
         except StoreError:
             raise
         except OSError as exc:
             raise StoreError(f"Could not write artifacts under {self.root}: {exc.strerror or exc}. "
                              "Check free disk space and permissions on the store folder.") from exc
         return {k: sha256_hex(bytes(d)) for k, d in items.items()}
-
-    def _put_folder(self, entries: list[tuple[Path, bytes]]) -> None:
-        """`put_many` for objects of one folder; the caller holds the folder's lock."""
-        fresh = [(path, data) for path, data in entries if not path.exists()]
-        for path, data in entries:
-            if path.exists():
-                _write_object(path, self._sidecar(path), data, sha256_hex(data))
-        if not fresh:
-            return
-        folder = fresh[0][0].parent
-        (folder / SIDECAR_DIR).mkdir(parents=True, exist_ok=True)
-
-        def temps(entry: tuple[Path, bytes]) -> tuple[Path, Path]:
-            path, data = entry
-            return _write_temp(folder / SIDECAR_DIR, f"{sha256_hex(data)}  {path.name}\n".encode()), _write_temp(folder, data)
-
-        with ThreadPoolExecutor(max_workers=min(PUT_MANY_THREADS, len(fresh)), thread_name_prefix="fedpipe-put") as pool:
-            futures = [pool.submit(temps, e) for e in fresh]
-        written = [f.result() for f in futures if f.exception() is None]
-        try:
-            if len(written) < len(futures):
-                raise next(f.exception() for f in futures if f.exception() is not None)
-            for (path, _), (sidecar_tmp, _) in zip(fresh, written):
-                os.replace(sidecar_tmp, self._sidecar(path))
-            _fsync_dir(folder / SIDECAR_DIR)
-            for (path, _), (_, data_tmp) in zip(fresh, written):
-                os.replace(data_tmp, path)
-        except BaseException:
-            for path, _ in fresh:  # a sidecar without its object is removed; the object rename is the commit
-                if not path.exists():
-                    _restore_sidecar(self._sidecar(path), None, had_object=False)
-            for pair in written:
-                for tmp in pair:
-                    with contextlib.suppress(OSError):
-                        tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(folder)
 
     def create(self, key: str, data: bytes) -> bool:
         return self._put_when(key, data, None)[0]
