@@ -202,7 +202,10 @@ def _write_object(path: Path, sidecar: Path, data: bytes, digest: str) -> None:
 
 
 def _put_folder(entries: list[tuple[Path, bytes]], sidecar_of) -> None:
-    """`LocalStore.put_many` for objects of one folder; the caller holds the folder's lock."""
+    """`LocalStore.put_many` for objects of one folder; the caller holds the folder's lock. New
+    objects' sidecar and data temp files are written (and fsynced) side by side by a few threads, the
+    sidecars renamed into place before the data, and the folder fsynced once, not once per object (a
+    round's client states: 3 serial fsyncs each before). Objects being replaced take `put`'s path."""
     fresh = [(path, data) for path, data in entries if not path.exists()]
     for path, data in entries:
         if path.exists():
@@ -288,17 +291,12 @@ class LocalStore(Store):
         return self._put_when(key, data, _ANY)[1]
 
     def put_many(self, items: Mapping[str, bytes]) -> dict[str, str]:
-        """The write protocol for many objects, a folder at a time under its lock: new objects' sidecar
-        and data temp files are written (and fsynced) side by side by a few threads, the sidecars are
-        renamed into place before the data, and each folder is fsynced once, not once per object
-        (a round's client states: 3 serial fsyncs each before). Objects being replaced take the
-        one-at-a-time path."""
+        """The write protocol for many objects, a folder at a time under its lock (`_put_folder`)."""
         folders: dict[Path, list[tuple[Path, bytes]]] = defaultdict(list)
         for key, data in items.items():
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise StoreError(f"Can only store bytes under {key!r}, got {type(data).__name__}.")
-            path = self._path(key)
-            folders[path.parent].append((path, bytes(data)))
+            folders[self._path(key).parent].append((self._path(key), bytes(data)))
         try:
             for entries in folders.values():
                 with _locked(entries[0][0]):
