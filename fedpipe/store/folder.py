@@ -304,8 +304,7 @@ class LocalStore(Store):
         except StoreError:
             raise
         except OSError as exc:
-            raise StoreError(f"Could not write artifacts under {self.root}: {exc.strerror or exc}. "
-                             "Check free disk space and permissions on the store folder.") from exc
+            raise StoreError(f"Could not write artifacts under {self.root}: {exc.strerror or exc}. Check free disk space and permissions on the store folder.") from exc
         return {k: sha256_hex(bytes(d)) for k, d in items.items()}
 
     def create(self, key: str, data: bytes) -> bool:
