@@ -160,3 +160,27 @@ def test_fedmoe_reproduction_runs_reports_and_resumes(tmp_path):
     assert (out / "fedmoe_table1_fashion_mnist_vs_paper.png").stat().st_size > 1000
     again = CliRunner().invoke(app, args)  # everything recorded: nothing reruns
     assert again.exit_code == 0 and len(read_records(out / "runs.jsonl")) == 1
+
+
+@pytest.mark.parametrize("name, only", [
+    ("pfedmb_table2", ["--only", "setting=c10_2classes_15", "--only", "method=pFedMB"]),
+    ("superfed_tables1_2", ["--only", "dataset=cifar10", "--only", "method=SuPerFed-MM"]),
+])
+def test_cifar_reproductions_run_on_tiny_cifar10_files(tmp_path, name, only):
+    """The other seeds' tables run as written on CIFAR-10's own on-disk format (python batch files), at a tiny budget."""
+    from dataset_files import write_cifar10
+
+    rng = np.random.default_rng(1)
+    ytr, yte = np.repeat(np.arange(10), 16), np.repeat(np.arange(10), 4)
+    write_cifar10(tmp_path / "data", (rng.integers(0, 256, (160, 3, 32, 32), dtype=np.uint8), ytr),
+                  (rng.integers(0, 256, (40, 3, 32, 32), dtype=np.uint8), yte),
+                  ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"])
+    out = tmp_path / "out"
+    tiny = ["partition.num_clients=4", "train.client_fraction=1.0", "train.local_epochs=1", "train.batch_size=8"]
+    result = CliRunner().invoke(app, ["reproduce", name, "--rounds", "2", "--seed", "0", "--out", str(out), *only,
+                                      "--set", f"data.root={tmp_path / 'data'}", *[a for q in tiny for a in ("--set", q)]])
+    assert result.exit_code == 0, result.output
+    records = read_records(out / "runs.jsonl")
+    assert records and all(0 <= r["measures"]["personalized_accuracy"] <= 1 for r in records)
+    summary = json.loads((out / f"{name}.json").read_text())
+    assert sum(c["ours"] is not None for c in summary["cells"]) == len(records)

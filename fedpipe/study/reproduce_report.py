@@ -63,12 +63,16 @@ def cell_rows(repro: Reproduction, ours: Measures) -> tuple[list[list[str]], lis
     rows, data = [], []
     for cell in repro.cells:
         iv = ours.interval(cell.point(), cell.measure)
+        said = "lost: " + cell.note if cell.paper is None else f"{cell.paper:.2f}"
         if iv is None:
-            rows.append([cell.table, cell.row, cell.column, f"{cell.paper:.2f}", "missing: not run", "", ""])
+            rows.append([cell.table, cell.row, cell.column, said, "missing: not run", "", ""])
             data.append({"table": cell.table, "row": cell.row, "column": cell.column, "paper": cell.paper, "ours": None})
             continue
-        inside = "n/a (n = 1)" if iv.n < 2 else ("yes" if iv.low <= cell.paper <= iv.high else "no")
-        rows.append([cell.table, cell.row, cell.column, f"{cell.paper:.2f}", _ci(iv), _signed(iv.mean - cell.paper), inside])
+        if cell.paper is None:
+            rows.append([cell.table, cell.row, cell.column, said, _ci(iv), "", ""])
+        else:
+            inside = "n/a (n = 1)" if iv.n < 2 else ("yes" if iv.low <= cell.paper <= iv.high else "no")
+            rows.append([cell.table, cell.row, cell.column, said, _ci(iv), _signed(iv.mean - cell.paper), inside])
         data.append({"table": cell.table, "row": cell.row, "column": cell.column, "paper": cell.paper, "ours": iv.mean,
                      "low": None if iv.n < 2 else iv.low, "high": None if iv.n < 2 else iv.high, "n": iv.n,
                      "seeds": ours.seeds(cell.point(), cell.measure)})
@@ -115,7 +119,7 @@ def claim_points(repro: Reproduction, claim: Claim) -> list[tuple[dict, dict, di
 
 
 def claim_rows(repro: Reproduction, ours: Measures) -> tuple[list[list[str]], list[dict]]:
-    paper = {(_key(c.point()), c.measure): c.paper for c in repro.cells}
+    paper = {(_key(c.point()), c.measure): c.paper for c in repro.cells if c.paper is not None}
     rows, data = [], []
     for claim in repro.claims:
         (lm, _), (rm, _) = claim.terms()
@@ -138,7 +142,7 @@ def claim_rows(repro: Reproduction, ours: Measures) -> tuple[list[list[str]], li
 
 
 def _figure(repro: Reproduction, cells: list[dict]) -> bytes | None:
-    have = [c for c in cells if c["ours"] is not None]
+    have = [c for c in cells if c["ours"] is not None and c["paper"] is not None]
     if not have:
         return None
     fig = Figure(figsize=(5.5, 5.2))

@@ -20,6 +20,7 @@ The shape (reproductions/fedmoe_table1_fashion_mnist.yaml is a full example):
     axes: {axis: {key, values, cite} | {sets: {label: {config.path: value}}, cite}}
                                        the table's rows and columns that change the run (p, method, dataset)
     seeds, seeds_cite                  how many runs the paper averages
+    specific: [{at: {axis: label}, set: {config.path: value}, cite}]   values for some points only
     cells: [{table, row, column, at: {axis: label}, measure, paper}]   the paper's numbers
     claims: [{says, left, relation, right, tolerance, where, cite}]    the paper's claims as orderings
     departures: [text]                 where this file cannot follow the paper, and why
@@ -101,7 +102,16 @@ class Cell(Section):
     column: str = Field(min_length=1, max_length=80)
     at: dict[str, Scalar] = Field(default_factory=dict)
     measure: str = Field(min_length=1, max_length=80)
-    paper: float = Field(ge=-1e6, le=1e6)
+    paper: float | None = Field(ge=-1e6, le=1e6)
+    """The paper's number; null where the paper's copy lost it (say so in `note`): the cell is still run,
+    and the claims are still checked on our numbers."""
+    note: str = Field("", max_length=MAX_TEXT)
+
+    @model_validator(mode="after")
+    def _lost_is_explained(self) -> Cell:
+        if self.paper is None and not self.note:
+            raise ValueError("a cell without the paper's number (paper: null) needs a `note` saying why it is missing")
+        return self
 
     def point(self) -> dict[str, str]:
         return {axis: label(v) for axis, v in self.at.items()}
@@ -149,6 +159,17 @@ def _number_or_text(text: str) -> Scalar:
         return text
 
 
+class Specific(Section):
+    """Config values for the points that match `at` only (e.g. pFedMB's number of branches per setting)."""
+
+    at: dict[str, Scalar] = Field(min_length=1)
+    set: dict[str, Any] = Field(min_length=1, max_length=50)
+    cite: str = Field(min_length=1, max_length=MAX_TEXT)
+
+    def point(self) -> dict[str, str]:
+        return {axis: label(v) for axis, v in self.at.items()}
+
+
 class Reproduction(Section):
     """One paper table, its setting and its numbers (see the module's docstring)."""
 
@@ -163,6 +184,7 @@ class Reproduction(Section):
     axes: dict[str, Axis] = Field(default_factory=dict, max_length=8)
     seeds: int = Field(ge=1, le=32)
     seeds_cite: str = Field(min_length=1, max_length=MAX_TEXT)
+    specific: list[Specific] = Field(default_factory=list, max_length=200)
     cells: list[Cell] = Field(min_length=1, max_length=MAX_CELLS)
     claims: list[Claim] = Field(default_factory=list, max_length=200)
     departures: list[str] = Field(default_factory=list, max_length=50)
@@ -184,6 +206,11 @@ class Reproduction(Section):
             _check_point(cell.point(), labels, where, complete=True)
             if not pattern.match(cell.measure):
                 raise ValueError(f"{where}: measure {cell.measure!r} is not one scorer {self.scorer} gives ({pattern.pattern})")
+        for i, extra in enumerate(self.specific):
+            _check_point(extra.point(), labels, f"specific[{i}]", complete=False)
+            for path in extra.set:
+                if not re.match(CONFIG_PATH, path):
+                    raise ValueError(f"specific[{i}]: {path!r} is not a config path like method.num_branches")
         measures = {c.measure for c in self.cells}
         for i, claim in enumerate(self.claims):
             where = f"claims[{i}] ({claim.says[:60]})"
@@ -211,10 +238,14 @@ class Reproduction(Section):
         return list(seen.values())
 
     def overrides(self, point: dict[str, str]) -> dict[str, Any]:
-        """The run config of a point: the setting, then each axis's values at that point."""
+        """The run config of a point: the setting, then each axis's values at that point, then the `specific`
+        values of every entry whose labels the point has."""
         tree = {path: cited.value for path, cited in self.setting.items()}
         for axis, value in point.items():
             tree.update(self.axes[axis].overrides()[value])
+        for extra in self.specific:
+            if all(point.get(a) == v for a, v in extra.point().items()):
+                tree.update(extra.set)
         return tree
 
 
