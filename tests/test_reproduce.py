@@ -122,6 +122,7 @@ def test_records_are_checked_and_departures_kept_apart(tmp_path):
     quick = dict(good, overrides=["train.rounds=5"], measures={"mixture.local": 0.5})
     path.write_text(json.dumps(good) + "\n" + json.dumps(quick) + "\n")
     assert departures(["data.root=/x", "engine.clients=batched", "train.rounds=5"]) == ["train.rounds=5"]
+    assert departures(["train.select=last", "train.lr=5e-5"]) == departures(['train.select="last"', "train.lr=0.00005"])
     assert [r["measures"]["mixture.local"] for r in matching(read_records(path), [])] == [0.9]
     assert [r["measures"]["mixture.local"] for r in matching(read_records(path), ["train.rounds=5"])] == [0.5]
     path.write_text(json.dumps(dict(good, measures={"mixture.local": "0.9; rm -rf /"})) + "\n")

@@ -28,6 +28,7 @@ import numpy as np
 
 from fedpipe.errors import ConfigError
 from fedpipe.run.config import RunConfig, load_config
+from fedpipe.safe_load import parse_yaml
 from fedpipe.study.reproduction import Reproduction
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,21 @@ NEUTRAL = ("data.root=", "data.download=", "run.", "engine.", "telemetry.")  # w
 
 
 def departures(overrides: Iterable[str]) -> list[str]:
-    """The overrides that change what is computed (sorted): the ones a report must name."""
-    return sorted(o for o in overrides if not o.strip().startswith(NEUTRAL))
+    """The overrides that change what is computed, as PATH=JSON (so `train.select=last` and `train.select="last"`,
+    `train.lr=5e-5` and `train.lr=0.00005` are one departure), sorted: the ones a report must name."""
+    out = []
+    for item in overrides:
+        path, _, raw = item.strip().partition("=")
+        if item.strip().startswith(NEUTRAL):
+            continue
+        value = parse_yaml(raw, f"override {path}", "override", invalid_is_text=True) if raw.strip() else ""
+        if isinstance(value, str):  # YAML 1.1 reads 5e-5 (no dot) as text; the config's float field reads it as 5e-05
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        out.append(f"{path.strip()}={json.dumps(value)}")
+    return sorted(out)
 
 
 def run_overrides(repro: Reproduction, point: dict[str, str], seed: int, extra: list[str]) -> list[str]:
