@@ -23,6 +23,7 @@ def reproduce(
     out: Annotated[Optional[Path], typer.Option(help="Folder of the records (runs.jsonl) and the report. Default: reproductions-out/NAME.")] = None,
     records: Annotated[Optional[list[Path]], typer.Option("--records", help="Also read these runs.jsonl files (runs made elsewhere).")] = None,
     report_only: Annotated[bool, typer.Option("--report-only", help="Run nothing: write the report from the records there are.")] = False,
+    note: Annotated[str, typer.Option(help="A paragraph for the report's head (e.g. which runs are still going, and where; at most 2,000 characters are kept).")] = "",
 ):
     """Run a paper's table (reproductions/NAME.yaml: the setting of the paper's section, every value cited, and the
     paper's numbers with their table and cell) and write a report with, per cell, the paper's number, ours (mean and
@@ -69,7 +70,7 @@ def reproduce(
         if not extra_file.is_file():
             raise ConfigError(f"--records {extra_file}: no such file.")
         found = matching(found + matching(read_records(extra_file), extra), extra)
-    report = write_reproduction_report(repro, found, folder, wanted, departures(extra))
+    report = write_reproduction_report(repro, found, folder, wanted, departures(extra), note[:2000])
     typer.echo(f"{len(found)} run(s) recorded; report: {report}")
 
 
