@@ -51,8 +51,7 @@ def one_run(p: float, q: float, seed: int, common: list[str], store: str) -> dic
     import torch
 
     torch.set_num_threads(1)
-    from fedpipe.data.federated import prepare_data
-    from fedpipe.engine.evaluation import evaluate_model
+    from fedpipe.run.compare import compared_model_scores
     from fedpipe.run.config import load_config
     from fedpipe.run.run import Run
 
@@ -64,16 +63,11 @@ def one_run(p: float, q: float, seed: int, common: list[str], store: str) -> dic
     state = None
     for phase in run.phases():
         state = run.train(phase.name)
-    algorithm, _ = run.build_algorithm()
-    data = prepare_data(run.bundle, run.load_partition(), run.device)
-    scores: dict[str, dict[str, list[float]]] = {m: {"local": [], "global": []} for m in METHODS}
-    for client in data.clients:
-        for name, params in algorithm.compared_models(state.server, state.clients.get(client.client_id)).items():
-            scores[name]["local"].append(evaluate_model(algorithm, params, client.test, cfg.eval.batch_size, cfg.eval.ece_bins).accuracy)
-            scores[name]["global"].append(evaluate_model(algorithm, params, data.global_test, cfg.eval.batch_size, cfg.eval.ece_bins).accuracy)
+    scores = compared_model_scores(run, state)
+    partition = run.load_partition()
     return {
-        "p": p, "q": q, "seed": seed, "clients": data.num_clients, "opt_out": sum(c.opt_out for c in data.clients),
-        "models": {m: {split: float(np.mean(v)) for split, v in s.items()} for m, s in scores.items() if s["local"]},
+        "p": p, "q": q, "seed": seed, "clients": len(partition.clients), "opt_out": sum(c.opt_out for c in partition.clients),
+        "models": {m: {split: scores[f"{m}.{split}"] for split in ("local", "global")} for m in METHODS if f"{m}.local" in scores},
         "seconds": time.perf_counter() - t0,
     }
 

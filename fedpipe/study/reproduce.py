@@ -24,8 +24,6 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-
 from fedpipe.errors import ConfigError
 from fedpipe.run.config import RunConfig, load_config
 from fedpipe.safe_load import parse_yaml
@@ -85,6 +83,7 @@ def select_points(repro: Reproduction, only: dict[str, set[str]]) -> list[dict[s
 
 def score_run(cfg: RunConfig, scorer: str) -> dict[str, float]:
     """Run `cfg` from scratch in a temporary store and return its measures (fractions, not percent)."""
+    from fedpipe.run.compare import compared_model_scores
     from fedpipe.run.run import Run
 
     with tempfile.TemporaryDirectory(prefix="fedpipe-reproduce-") as store:
@@ -97,29 +96,7 @@ def score_run(cfg: RunConfig, scorer: str) -> dict[str, float]:
         state = None
         for phase in run.phases():
             state = run.train(phase.name)
-        return compared_models(run, state)
-
-
-def compared_models(run, state) -> dict[str, float]:
-    """`<model>.local` and `<model>.global`: each model the method compares (`Algorithm.compared_models`, e.g.
-    FedMoE's FedAvg, Local, Fine-tuned and Mixture) scored on every client's local test split (drawn with the
-    client's own skew) and on the global test set, the mean over clients (Listo Zec et al., Sec. 4, Evaluation)."""
-    from fedpipe.data.federated import prepare_data
-    from fedpipe.engine.evaluation import evaluate_model
-
-    algorithm, _ = run.build_algorithm()
-    if not hasattr(algorithm, "compared_models"):
-        raise ConfigError(f"scorer compared_models needs a method that compares models (fedmoe); {algorithm.name} does not")
-    data = prepare_data(run.bundle, run.load_partition(), run.device)
-    if data.global_test is None:
-        raise ConfigError("scorer compared_models needs a global test set; this dataset and partition have none")
-    cfg = run.cfg.eval
-    scores: dict[str, list[float]] = {}
-    for client in data.clients:
-        for name, params in algorithm.compared_models(state.server, state.clients.get(client.client_id)).items():
-            for split, where in (("local", client.test), ("global", data.global_test)):
-                scores.setdefault(f"{name}.{split}", []).append(evaluate_model(algorithm, params, where, cfg.batch_size, cfg.ece_bins).accuracy)
-    return {measure: float(np.mean(values)) for measure, values in scores.items()}
+        return compared_model_scores(run, state)
 
 
 # --- records ---------------------------------------------------------------------------------------------
