@@ -159,6 +159,7 @@ def test_fedmoe_reproduction_runs_reports_and_resumes(tmp_path):
     ours = [c for c in summary["cells"] if c["ours"] is not None]
     assert len(ours) == 8 and all(c["row"] == "p = 1.0" and 0 <= c["ours"] <= 100 for c in ours)
     assert (out / "fedmoe_table1_fashion_mnist_vs_paper.png").stat().st_size > 1000
+    assert (out / "fedmoe_table1_fashion_mnist_curves.png").stat().st_size > 1000
     again = CliRunner().invoke(app, args)  # everything recorded: nothing reruns
     assert again.exit_code == 0 and len(read_records(out / "runs.jsonl")) == 1
 

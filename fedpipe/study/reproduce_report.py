@@ -163,6 +163,47 @@ def _figure(repro: Reproduction, cells: list[dict]) -> bytes | None:
     return _png(fig)
 
 
+def _numeric_axis(repro: Reproduction) -> str | None:
+    """The table's one axis whose labels are all numbers (the mixture paper's p), or None."""
+    if len(repro.axes) != 1:
+        return None
+    name, axis = next(iter(repro.axes.items()))
+    try:
+        [float(v) for v in axis.overrides()]
+    except ValueError:
+        return None
+    return name
+
+
+def _curves(repro: Reproduction, cells: list[dict]) -> bytes | None:
+    """Per measure family (the part after the last dot: local, global), each measure against the numeric axis:
+    the paper's numbers dashed, ours solid with their 95% intervals."""
+    axis = _numeric_axis(repro)
+    if axis is None or not any(c["ours"] is not None for c in cells):
+        return None
+    rows = [(cell, data) for cell, data in zip(repro.cells, cells)]
+    families = sorted({cell.measure.rsplit(".", 1)[-1] for cell, _ in rows})
+    fig = Figure(figsize=(5.2 * len(families), 4.2))
+    for k, family in enumerate(families):
+        ax = fig.add_subplot(1, len(families), k + 1)
+        measures = sorted({cell.measure for cell, _ in rows if cell.measure.rsplit(".", 1)[-1] == family})
+        for i, measure in enumerate(measures):
+            sel = sorted(((float(cell.point()[axis]), cell, data) for cell, data in rows if cell.measure == measure), key=lambda t: t[0])
+            color = f"C{i % 10}"
+            paper = [(x, c.paper) for x, c, _ in sel if c.paper is not None]
+            if paper:
+                ax.plot(*zip(*paper), ls="--", color=color, alpha=0.6)
+            ours = [(x, d) for x, _, d in sel if d["ours"] is not None]
+            if ours:
+                ax.errorbar([x for x, _ in ours], [d["ours"] for _, d in ours], fmt="-o", color=color, capsize=2,
+                            yerr=[[d["ours"] - d["low"] if d["low"] is not None else 0 for _, d in ours],
+                                  [d["high"] - d["ours"] if d["high"] is not None else 0 for _, d in ours]],
+                            label=measure.rsplit(".", 1)[0][:24])
+        ax.set(xlabel=axis, ylabel=f"{family} ({repro.unit})", title=f"{family}: ours (solid) and the paper's (dashed)")
+        ax.legend(fontsize=7)
+    return _png(fig)
+
+
 def _missing(repro: Reproduction, ours: Measures, seeds: list[int]) -> list[str]:
     out = []
     for point in repro.points():
@@ -197,6 +238,10 @@ def write_reproduction_report(repro: Reproduction, records: list[dict], out: Pat
     if figure is not None:
         images[f"{repro.name}_vs_paper.png"] = figure
         page.image(f"{repro.name}_vs_paper.png", "ours against the paper's number, one point per cell")
+    curves = _curves(repro, cells)
+    if curves is not None:
+        images[f"{repro.name}_curves.png"] = curves
+        page.image(f"{repro.name}_curves.png", "each measure against the table's axis: ours solid, the paper's dashed")
     claims: list[dict] = []
     if repro.claims:
         page.heading(2, "The paper's claims")
