@@ -101,7 +101,9 @@ class DataConfig(Section):
 
     root: Path | str | None = None
     """Folder holding the downloaded datasets in torchvision's layout (e.g. ROOT/MNIST/raw,
-    ROOT/cifar-10-batches-py, ROOT/tiny-imagenet-200) and ROOT/ag_news_csv. For agnews also
+    ROOT/cifar-10-batches-py, ROOT/tiny-imagenet-200) and ROOT/ag_news_csv. MNIST, Fashion-MNIST and
+    EMNIST are also read as the original files (.gz or plain) lying directly in ROOT, as Debian's
+    dataset-fashion-mnist installs them (root=/usr/share/datasets/fashion-mnist). For agnews also
     s3://bucket/prefix: the files are read from MinIO / S3 under prefix/ag_news_csv/, with the endpoint
     and credentials from the environment, as for run.store. None: the FEDPIPE_DATA environment
     variable, or ~/.cache/fedpipe/datasets when that is unset."""
@@ -695,8 +697,9 @@ DATASETS: dict[str, DatasetInfo] = {
         ),
         DatasetInfo(
             "fashion_mnist", 10, (1, 28, 28), True,
-            "Fashion-MNIST (Xiao et al. 2017) through torchvision, 60k train / 10k test; used by the federated "
-            "mixture of experts (Listo Zec et al.).",
+            "Fashion-MNIST (Xiao et al. 2017) through torchvision, 60k train / 10k test (offline: apt-get install "
+            "dataset-fashion-mnist, data.root=/usr/share/datasets/fashion-mnist); used by the federated mixture "
+            "of experts (Listo Zec et al.).",
             _mnist_family("fashion_mnist", "FashionMNIST"),
         ),
         DatasetInfo(
