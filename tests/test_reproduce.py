@@ -220,3 +220,28 @@ def test_other_reproductions_run_on_tiny_files_in_each_format(tmp_path, name, on
     assert len(records) == 1 and 0 <= records[0]["measures"]["personalized_accuracy"] <= 1
     summary = json.loads((out / f"{name}.json").read_text())
     assert sum(c["ours"] is not None for c in summary["cells"]) == 1
+
+
+def test_the_queues_mixture_runs_become_records_at_the_papers_setting(tmp_path):
+    """benchmarks/mixture_records.py: a mixture.json written with the paper-budget queue's arguments is the
+    reproduction's setting exactly (no departure); the same with train.select=last departs by that one field."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from mixture_records import records
+
+    sets = ["data.root=/usr/share/datasets/fashion-mnist", "partition.val_fraction=0.25", "partition.test_fraction=0.25",
+            "partition.majority_classes=2", "method.local_lr=5e-5", "method.mixture=probabilities",
+            "train.select=best_val_loss", "train.select_every=50", "engine.clients=sequential", "engine.processes=1"]
+    args = {"dataset": "fashion_mnist", "clients": 100, "samples_per_client": 200, "per_round": 5, "rounds": 1250,
+            "local_epochs": 3, "batch_size": 10, "lr": 5e-5, "finetune_lr": 1e-5, "max_epochs": 500, "patience": 10,
+            "model": "lenet5", "set": sets}
+    models = {m: {"local": 0.9, "global": 0.3} for m in ("fedavg", "local", "finetuned", "mixture")}
+    runs = [{"p": 1.0, "q": 0.0, "seed": 1, "models": models}, {"p": 1.0, "q": 0.5, "seed": 1, "models": models}]
+    path = tmp_path / "mixture.json"
+    path.write_text(json.dumps({"args": args, "runs": runs}))
+    [record] = records(path, "fedmoe_table1_fashion_mnist")  # q = 0.5 is not in the table
+    assert record["point"] == {"p": "1"} and record["seed"] == 1 and record["overrides"] == []
+    assert record["measures"]["mixture.global"] == 0.3 and len(record["measures"]) == 8
+    path.write_text(json.dumps({"args": dict(args, set=[*sets, "train.select=last"]), "runs": runs}))
+    assert records(path, "fedmoe_table1_fashion_mnist")[0]["overrides"] == ['train.select="last"']
