@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the integration tests (pytest -m services) need, if it is missing:
 #   - Prometheus and the Prometheus Pushgateway (Debian packages);
+#   - the real Fashion-MNIST (Debian package dataset-fashion-mnist, 30 MB: the four original idx .gz files
+#     under /usr/share/datasets/fashion-mnist/, which tests/test_idx.py trains on for a few seconds);
 #   - the S3-compatible test server `moto_server` (pip, the `test` extra of fedpipe).
 # It does not start anything: the fixtures in tests/conftest.py start the servers on free loopback
 # ports and stop them at the end of the session. Safe to run again; quiet when all is there.
@@ -24,6 +26,8 @@ have_bin() {
 missing=()
 have_bin prometheus || missing+=(prometheus)
 have_bin prometheus-pushgateway || missing+=(prometheus-pushgateway)
+FASHION_MNIST=/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+[ -f "$FASHION_MNIST" ] || missing+=(dataset-fashion-mnist)
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "Installing ${missing[*]} (apt)..."
   export DEBIAN_FRONTEND=noninteractive
@@ -46,3 +50,4 @@ fi
 for b in prometheus prometheus-pushgateway; do
   have_bin "$b" || { echo "test-services.sh: $b is still missing after apt-get install." >&2; exit 1; }
 done
+[ -f "$FASHION_MNIST" ] || { echo "test-services.sh: $FASHION_MNIST is still missing after apt-get install dataset-fashion-mnist." >&2; exit 1; }

@@ -39,6 +39,22 @@ def write_mnist(root: Path, train: tuple, test: tuple, folder: str = "MNIST") ->
     return raw
 
 
+def write_mnist_original(root: Path, train: tuple, test: tuple, compress: bool = True) -> Path:
+    """The original distribution's layout, as Debian's dataset-fashion-mnist installs it under
+    /usr/share/datasets/fashion-mnist: ROOT/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz, gzip-compressed
+    (plain files with compress=False). Images as (N, H, W)."""
+    import gzip
+
+    for prefix, (x, y) in (("train", train), ("t10k", test)):
+        for part, array in (("images-idx3", x), ("labels-idx1", y)):
+            path = root / f"{prefix}-{part}-ubyte"
+            write_idx(path, array)
+            if compress:
+                path.with_name(path.name + ".gz").write_bytes(gzip.compress(path.read_bytes(), mtime=0))
+                path.unlink()
+    return root
+
+
 def write_emnist(root: Path, split: str, train: tuple, test: tuple) -> Path:
     """EMNIST: ROOT/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte. The images are
     written as given: callers pass them transposed, the way the real EMNIST files store them."""

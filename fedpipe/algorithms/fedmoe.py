@@ -137,7 +137,8 @@ class FedMoE(Algorithm):
         "optimizer: train.optimizer (default SGD, lr 0.01) where the paper uses Adam (lr 5e-5; 1e-5 for specialist and "
         "mixture); the paper's: train.optimizer=adam with its rates, as examples/fedmoe_*.yaml",
         "patience=3: the paper uses early stopping without giving a patience",
-        "the global model is the last round's; the paper keeps the round (checked every 50) with the best mean validation loss",
+        "train.select=last (the default): the global model is the last round's; the paper keeps the round (checked every 50) with "
+        "the best mean validation loss: train.select=best_val_loss, train.select_every=50, as examples/fedmoe_*.yaml",
     )
     params: FedMoEParams
 

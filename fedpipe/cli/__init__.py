@@ -5,7 +5,8 @@
 - `run`: run, partition, train, evaluate, verify, config;
 - `deploy`: compile, register, submit, schedule, unschedule (and the deployment flags);
 - `check`: what a run needs, checked from a pod; `info`: methods, datasets;
-- `data`: your own data (init, check); `models`: model lines and predict; `study`: studies.
+- `data`: your own data (init, check); `models`: model lines and predict; `study`: studies;
+- `reproduce`: a paper's table run as the paper describes it, reported beside its numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import importlib
 
 from fedpipe.cli.common import app
 
-for _group in ("run", "deploy", "check", "info", "data", "models", "study"):  # each adds its commands, in this order
+for _group in ("run", "deploy", "check", "info", "data", "models", "study", "reproduce"):  # each adds its commands, in this order
     importlib.import_module(f"fedpipe.cli.{_group}")
 
 __all__ = ["app", "main"]

@@ -48,6 +48,7 @@ from pydantic import Field, field_validator, model_validator
 from fedpipe.config import MAX_URL_CHARS, Section, refuse_url_credentials
 from fedpipe.data import DatasetBundle, LabeledArrays, is_text_shape
 from fedpipe.data.files.rows import DEFAULT_DECODED_MB
+from fedpipe.data.idx import find_idx, read_image_split
 from fedpipe.data.safe_pickle import load_cifar_pickle
 from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
 from fedpipe.errors import CorruptArtifactError, DataError, StoreError
@@ -100,7 +101,9 @@ class DataConfig(Section):
 
     root: Path | str | None = None
     """Folder holding the downloaded datasets in torchvision's layout (e.g. ROOT/MNIST/raw,
-    ROOT/cifar-10-batches-py, ROOT/tiny-imagenet-200) and ROOT/ag_news_csv. For agnews also
+    ROOT/cifar-10-batches-py, ROOT/tiny-imagenet-200) and ROOT/ag_news_csv. MNIST, Fashion-MNIST and
+    EMNIST are also read as the original files (.gz or plain) lying directly in ROOT, as Debian's
+    dataset-fashion-mnist installs them (root=/usr/share/datasets/fashion-mnist). For agnews also
     s3://bucket/prefix: the files are read from MinIO / S3 under prefix/ag_news_csv/, with the endpoint
     and credentials from the environment, as for run.store. None: the FEDPIPE_DATA environment
     variable, or ~/.cache/fedpipe/datasets when that is unset."""
@@ -311,15 +314,18 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _open_splits(name: str, root: Path, folder: Path, files: list[str], download: bool, open_split: Callable):
+def _open_splits(
+    name: str, root: Path, folder: Path, files: list[str], download: bool, open_split: Callable,
+    layout: str = TORCHVISION_LAYOUT,
+):
     """Open train and test through torchvision; its failures become one DataError paragraph, no traceback."""
     if not download:
-        _require(name, root, folder, files, download)
+        _require(name, root, folder, files, download, layout)
     try:
         return open_split(True), open_split(False)
     except Exception as exc:  # a torchvision or pickle failure, whatever its type, is a data problem here
         action = "downloading or reading them failed" if download else "reading them failed"
-        raise _data_error(name, root, folder, files, f"{action} ({_reason(exc)})", download) from exc
+        raise _data_error(name, root, folder, files, f"{action} ({_reason(exc)})", download, layout) from exc
 
 
 def _arrays(x: np.ndarray, y) -> LabeledArrays:
@@ -349,7 +355,10 @@ def _load_digits(root: Path, download: bool) -> Splits:
 
 
 def _mnist_family(name: str, torchvision_class: str, emnist_split: str | None = None) -> Callable[[Path, bool], Splits]:
-    """MNIST, Fashion-MNIST and EMNIST: idx-ubyte files under ROOT/<torchvision class>/raw, read in bulk."""
+    """MNIST, Fashion-MNIST and EMNIST: idx-ubyte files under ROOT/<torchvision class>/raw (torchvision's
+    layout, read through torchvision), or, when that folder lacks them, the four files (plain or .gz) lying
+    directly in ROOT as the original distribution and Debian's dataset-fashion-mnist package have them
+    (data.root=/usr/share/datasets/fashion-mnist), read by fedpipe.data.idx with every header checked."""
     parts = ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1")
     if emnist_split is not None:
         parts = tuple(f"emnist-{emnist_split}-{p.replace('t10k', 'test')}" for p in parts)
@@ -361,18 +370,27 @@ def _mnist_family(name: str, torchvision_class: str, emnist_split: str | None = 
 
         cls = getattr(datasets, torchvision_class)
         folder = root / torchvision_class / "raw"
+        if emnist_split is not None:
+            class_names = tuple(cls.classes_split_dict[emnist_split])
+        else:
+            class_names = DIGITS if torchvision_class == "MNIST" else tuple(cls.classes)  # MNIST's are "0 - zero"
+        flat = [find_idx(root, f) for f in files]
+        if not all((folder / f).exists() for f in files) and all(flat):
+            # the original distribution's layout (Debian's dataset-fashion-mnist): the files, .gz or not, in ROOT
+            arrays = [read_image_split(flat[0], flat[1]), read_image_split(flat[2], flat[3])]
+        else:
+            def open_split(train: bool):
+                return cls(str(root), train=train, download=download, **extra)
 
-        def open_split(train: bool):
-            return cls(str(root), train=train, download=download, **extra)
-
-        train, test = _open_splits(name, root, folder, files, download, open_split)
+            layout = (f"{TORCHVISION_LAYOUT}, or directly in the data root as the original distribution has them "
+                      "(plain or .gz; Debian's dataset-fashion-mnist package: data.root=/usr/share/datasets/fashion-mnist)")
+            train, test = _open_splits(name, root, folder, files, download, open_split, layout)
+            arrays = [(ds.data.numpy(), ds.targets.numpy()) for ds in (train, test)]  # (N, H, W), whole files
         splits = []
-        for ds in (train, test):
-            x = ds.data.numpy()  # (N, H, W), the whole file at once
+        for x, y in arrays:
             if emnist_split is not None:
                 x = x.transpose(0, 2, 1)  # EMNIST stores images transposed: make them upright
-            splits.append(_arrays(x[:, None], ds.targets.numpy()))
-        class_names = DIGITS if torchvision_class == "MNIST" else tuple(train.classes)  # MNIST's are "0 - zero"
+            splits.append(_arrays(x[:, None], y))
         return splits[0], splits[1], class_names
 
     return load
@@ -679,8 +697,9 @@ DATASETS: dict[str, DatasetInfo] = {
         ),
         DatasetInfo(
             "fashion_mnist", 10, (1, 28, 28), True,
-            "Fashion-MNIST (Xiao et al. 2017) through torchvision, 60k train / 10k test; used by the federated "
-            "mixture of experts (Listo Zec et al.).",
+            "Fashion-MNIST (Xiao et al. 2017) through torchvision, 60k train / 10k test (offline: apt-get install "
+            "dataset-fashion-mnist, data.root=/usr/share/datasets/fashion-mnist); used by the federated mixture "
+            "of experts (Listo Zec et al.).",
             _mnist_family("fashion_mnist", "FashionMNIST"),
         ),
         DatasetInfo(
