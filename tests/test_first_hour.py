@@ -116,9 +116,8 @@ def test_a_run_does_not_print_its_client_state_bookkeeping(tmp_path, caplog):
 
 def _sites_in_sizes(root: Path) -> Path:
     """Digit images per site in three sizes (8, 12 and 16 pixels), as sites exporting at different resolutions."""
-    from PIL import Image
-
     from own_data import SITES, digit_sites
+    from PIL import Image
 
     images, labels, sites = digit_sites()
     for i in range(300):
