@@ -323,6 +323,47 @@ class EngineConfig(Section):
     fp32 without AMX; for checking a bf16 run's numbers). Evaluation always runs in fp32."""
 
 
+class PrivacyConfig(Section):
+    """User-level differential privacy of what clients upload (`fedpipe privacy plan` calibrates it; README,
+    "Differential privacy"). Off by default. When on, every communicating round: each client's update (its
+    upload minus what it downloaded; never its personal state) is clipped to L2 norm `clip`, Gaussian noise of
+    std `noise_multiplier * clip` is added, and the server adds the clipped updates with equal weights over
+    the expected cohort (DP-FedAvg, McMahan et al. 2018, Algorithm 1). Clients then join a round by Poisson
+    sampling, each independently with probability train.client_fraction (the round's size varies; the
+    accountant's amplification by sampling assumes it). Methods whose server uses per-client statistics
+    are refused (`fedpipe methods` says which and why)."""
+
+    enabled: bool = False
+    """Turn differential privacy on (every other field of this section is ignored while off)."""
+    clip: float = Field(1.0, gt=0, le=1e6)
+    """C: the L2 norm each client's update is clipped to (the sensitivity of the sum)."""
+    per_layer: bool = False
+    """Clip each uploaded tensor to clip / sqrt(L) (L tensors) instead of the whole update to clip: the flat
+    norm stays within clip (McMahan et al. 2018, Sec. 3, per-layer clipping)."""
+    noise_multiplier: float = Field(1.0, ge=0, le=1e4)
+    """sigma: the noise std is sigma * clip (on the sum in central mode, on each update in local mode).
+    0: clipping only, no privacy guarantee (epsilon is infinite)."""
+    mode: Literal["central", "local"] = "central"
+    """central: the server (trusted) adds the noise once to the sum of the clipped updates. local: every client
+    adds it to its own clipped update before it leaves, so the server never sees an update without noise (the
+    sum then carries sqrt(cohort) times the noise; the epsilon reported is the central one, which it bounds)."""
+    delta: float | None = Field(None, gt=0, lt=1)
+    """delta of (epsilon, delta)-DP; None: 1 / (number of clients)^1.1."""
+    target_epsilon: float | None = Field(None, gt=0, le=1e4)
+    """Privacy budget. With on_target=stop (the default) training stops cleanly after the last round whose
+    epsilon stays within it (the run then evaluates and reports as usual); with on_target=calibrate the run
+    sets noise_multiplier, before its first round, to the smallest that spends at most this over the planned rounds."""
+    on_target: Literal["stop", "calibrate"] = "stop"
+    """What target_epsilon does: stop training at the budget, or calibrate noise_multiplier to it before the run."""
+    accountant: Literal["rdp", "prv"] = "rdp"
+    """Opacus's accountant: rdp (Renyi DP of the sampled Gaussian, Mironov et al. 2019) or prv (privacy loss
+    random variables, Gopi et al. 2021: tighter)."""
+    seeded_noise: bool = False
+    """False: the noise and the Poisson sample come from the operating system's entropy (needed for the
+    guarantee: anyone who knows run.seed could otherwise subtract the noise). True: from run.seed, so a rerun
+    computes the same numbers (experiments and tests; no protection against whoever holds the config)."""
+
+
 class TelemetryConfig(Section):
     """Where per-round metrics go besides the run's JSONL file."""
 
