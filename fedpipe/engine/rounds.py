@@ -169,7 +169,9 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     reported = result.clients
     if private:
         norms = [o.update_norm for o in outcomes if o.update_norm is not None]
-        result.extra["privacy_clipped_fraction"] = sum(n > privacy.cfg.clip for n in norms) / len(norms) if norms else 0.0
+        if norms:  # how the clip compares with the updates (to choose privacy.clip: near their median, Andrew et al. 2021)
+            result.extra["privacy_clipped_fraction"] = sum(n > privacy.cfg.clip for n in norms) / len(norms)
+            result.extra["privacy_update_norm_median"] = sorted(norms)[len(norms) // 2]
     if reported < min(train.min_clients, len(chosen)) or (chosen and reported == 0):
         raise TrainingError(
             f"Round {round_} of phase {phase.name!r}: only {reported} of {len(chosen)} clients reported back "
