@@ -363,6 +363,12 @@ class PrivacyConfig(Section):
     guarantee: anyone who knows run.seed could otherwise subtract the noise). True: from run.seed, so a rerun
     computes the same numbers (experiments and tests; no protection against whoever holds the config)."""
 
+    @field_validator("delta", "target_epsilon", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        # a pipeline's text parameter leaves these "" for unset (pipelines/builder.py TEXT_PARAMETERS)
+        return None if isinstance(v, str) and not v.strip() else v
+
 
 class TelemetryConfig(Section):
     """Where per-round metrics go besides the run's JSONL file."""
