@@ -248,3 +248,17 @@ def test_privacy_plan_prints_the_calibrated_noise_and_the_schedule():
     assert last[0] == "30" and 3.9 < float(last[1]) <= 4.0
     bad = CliRunner().invoke(app, ["privacy", "plan", "--set", "partition.scheme=natural"])
     assert bad.exit_code == 2
+
+
+@pytest.mark.parametrize("how", [["engine.clients=batched"], ["engine.processes=2", "run.threads=1"]])
+def test_batched_clients_and_two_processes_privatise_as_one_by_one(tmp_path, how):
+    """Clipping runs where the clients train (batched: the norms of a chunk's clients at once; over processes: on
+    each rank, whose clipped updates are summed by the all-reduce, rank 0 adding the noise): the same model as
+    one by one in one process, within float tolerance (batched training itself agrees only that far)."""
+    base = ["method.name=fedavg", "train.rounds=2", "train.client_fraction=0.5", "privacy.enabled=true", "privacy.seeded_noise=true",
+            "privacy.noise_multiplier=0.5", "privacy.clip=0.3"]
+    one = train_all(small_run(tmp_path / "one", *base))
+    other = train_all(small_run(tmp_path / "other", *base, *how))
+    assert other.privacy.history == one.privacy.history
+    for k, v in one.server.global_params.items():
+        assert torch.allclose(v, other.server.global_params[k], atol=1e-5, rtol=1e-4), k

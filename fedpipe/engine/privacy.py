@@ -71,10 +71,10 @@ def clip_updates(updates: list[Params], clip: float, per_layer: bool) -> tuple[l
 
 
 def gaussian_like(params: Params, std: float, generator: torch.Generator) -> Params:
-    """N(0, std^2) per entry, float64, drawn on the CPU in the order of `params`' names (the same numbers
-    on any device)."""
-    return {k: torch.normal(0.0, std, size=tuple(t.shape), generator=generator, dtype=torch.float64).to(t.device)
-            for k, t in params.items()}
+    """N(0, std^2) per entry, float64, drawn on the CPU tensor after tensor in the order of the sorted names (the
+    same numbers on any device, and whatever order a distributed all-reduce returns the names in)."""
+    return {k: torch.normal(0.0, std, size=tuple(params[k].shape), generator=generator, dtype=torch.float64).to(params[k].device)
+            for k in sorted(params)}
 
 
 class Privacy:
