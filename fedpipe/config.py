@@ -163,7 +163,8 @@ class TrainConfig(Section):
     rounds: int = Field(30, ge=1, le=MAX_ROUNDS)
     """R: federated rounds (methods with extra phases, such as fine-tuning, add them after)."""
     client_fraction: float = Field(1.0, gt=0, le=1)
-    """C: fraction of clients sampled per round, without replacement (at least one)."""
+    """C: fraction of clients sampled per round, without replacement (at least one). With privacy.enabled, Poisson
+    sampling instead: each client joins a round with probability C on its own (the privacy accountant assumes it)."""
     local_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)
     """E: local epochs per round."""
     batch_size: int = Field(10, ge=1, le=MAX_BATCH)
