@@ -62,6 +62,17 @@ def _check_finite(client_id: int, params: Params | None) -> None:
         raise FloatingPointError(f"client {client_id} produced non-finite weights")
 
 
+def privatize(privacy: Privacy, works: list[ClientWork], outcomes: list[ClientOutcome], round_: int) -> None:
+    """Each upload that came back replaced by the client's clipped (in local mode also noised) update, and its
+    norm before clipping kept in the outcome (`Privacy.privatize`)."""
+    sent = [(w, o) for w, o in zip(works, outcomes) if o.upload is not None and not o.error]
+    if not sent:
+        return
+    updates, norms = privacy.privatize([o.client_id for _, o in sent], [o.upload for _, o in sent], [w.download for w, _ in sent], round_)
+    for (_, o), update, norm in zip(sent, updates, norms):
+        o.upload, o.update_norm = update, norm
+
+
 class ClientTrainer:
     """Trains lists of clients for one phase in this process: the local optimisation `train` asks
     for, in the way `engine` asks for, each client's shuffles and noise drawn from a generator
@@ -194,17 +205,8 @@ class ClientTrainer:
         (`fedpipe.engine.privacy`), computed here, on the client's side of the round."""
         outcomes = self._train(works, round_, lr)
         if self.privacy is not None:
-            self._privatize(works, outcomes, round_)
+            privatize(self.privacy, works, outcomes, round_)
         return outcomes
-
-    def _privatize(self, works: list[ClientWork], outcomes: list[ClientOutcome], round_: int) -> None:
-        sent = [(w, o) for w, o in zip(works, outcomes) if o.upload is not None and not o.error]
-        if not sent:
-            return
-        updates, norms = self.privacy.privatize([o.client_id for _, o in sent], [o.upload for _, o in sent],
-                                                [w.download for w, _ in sent], round_)
-        for (_, o), update, norm in zip(sent, updates, norms):
-            o.upload, o.update_norm = update, norm
 
     def _train(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:
         if self.mode == "sequential" or not works:
