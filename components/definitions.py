@@ -108,6 +108,8 @@ def train_phase(config: Input[Artifact], phase: str, manifest: Input[Dataset], s
     for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
         if last.get(key) is not None:
             metrics.log_metric(key, float(last[key]))
+    if (last.get("extra") or {}).get("epsilon") is not None:  # privacy.enabled: epsilon spent after the phase's last round
+        metrics.log_metric("epsilon", float(last["extra"]["epsilon"]))
 
 
 def launch_phase_job(config: Input[Artifact], phase: str, manifest: Input[Dataset], job: dict, image: str, storage: dict,
@@ -128,6 +130,8 @@ def launch_phase_job(config: Input[Artifact], phase: str, manifest: Input[Datase
     for key in ("train_loss", "personalized_accuracy", "global_accuracy", "samples_per_second", "seconds"):
         if last.get(key) is not None:
             metrics.log_metric(key, float(last[key]))
+    if (last.get("extra") or {}).get("epsilon") is not None:  # privacy.enabled: epsilon spent after the phase's last round
+        metrics.log_metric("epsilon", float(last["extra"]["epsilon"]))
 
 
 def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Model], metrics: Output[Metrics],
@@ -141,6 +145,9 @@ def evaluate(config: Input[Artifact], manifest: Input[Dataset], state: Input[Mod
     if result["global_model"] is not None:
         for key in ("top1", "top5", "ece", "loss"):
             metrics.log_metric(f"global_{key}", float(result["global_model"][key]))
+    if result.get("privacy"):  # privacy.enabled: the run's final epsilon at its delta
+        metrics.log_metric("epsilon", float(result["privacy"]["epsilon"]))
+        metrics.log_metric("privacy_delta", float(result["privacy"]["delta"]))
     return result["run_id"]
 
 

@@ -163,7 +163,8 @@ class TrainConfig(Section):
     rounds: int = Field(30, ge=1, le=MAX_ROUNDS)
     """R: federated rounds (methods with extra phases, such as fine-tuning, add them after)."""
     client_fraction: float = Field(1.0, gt=0, le=1)
-    """C: fraction of clients sampled per round, without replacement (at least one)."""
+    """C: fraction of clients sampled per round, without replacement (at least one). With privacy.enabled, Poisson
+    sampling instead: each client joins a round with probability C on its own (the privacy accountant assumes it)."""
     local_epochs: int = Field(5, ge=1, le=MAX_EPOCHS)
     """E: local epochs per round."""
     batch_size: int = Field(10, ge=1, le=MAX_BATCH)
@@ -321,6 +322,54 @@ class EngineConfig(Section):
     off elsewhere; the choice is recorded beside the phase's checkpoints (engine.json) like
     engine.clients and reused on resume. bf16: on any GPU, and on a CPU (CPU autocast: slower than
     fp32 without AMX; for checking a bf16 run's numbers). Evaluation always runs in fp32."""
+
+
+class PrivacyConfig(Section):
+    """User-level differential privacy of what clients upload; off by default.
+
+    Plan it with `fedpipe privacy plan` (README, "Differential privacy"). When on, every communicating round: each client's update (its
+    upload minus what it downloaded; never its personal state) is clipped to L2 norm `clip`, Gaussian noise of
+    std `noise_multiplier * clip` is added, and the server adds the clipped updates with equal weights over
+    the expected cohort (DP-FedAvg, McMahan et al. 2018, Algorithm 1). Clients then join a round by Poisson
+    sampling, each independently with probability train.client_fraction (the round's size varies; the
+    accountant's amplification by sampling assumes it). Methods whose server uses per-client statistics
+    are refused (`fedpipe methods` says which and why)."""
+
+    enabled: bool = False
+    """Turn differential privacy on (every other field of this section is ignored while off)."""
+    clip: float = Field(1.0, gt=0, le=1e6)
+    """C: the L2 norm each client's update is clipped to (the sensitivity of the sum)."""
+    per_layer: bool = False
+    """Clip each uploaded tensor to clip / sqrt(L) (L tensors) instead of the whole update to clip: the flat
+    norm stays within clip (McMahan et al. 2018, Sec. 3, per-layer clipping)."""
+    noise_multiplier: float = Field(1.0, ge=0, le=1e4)
+    """sigma: the noise std is sigma * clip (on the sum in central mode, on each update in local mode).
+    0: clipping only, no privacy guarantee (epsilon is infinite)."""
+    mode: Literal["central", "local"] = "central"
+    """central: the server (trusted) adds the noise once to the sum of the clipped updates. local: every client
+    adds it to its own clipped update before it leaves, so the server never sees an update without noise (the
+    sum then carries sqrt(cohort) times the noise; the epsilon reported is the central one, which it bounds)."""
+    delta: float | None = Field(None, gt=0, lt=1)
+    """delta of (epsilon, delta)-DP; None: 1 / (number of clients)^1.1."""
+    target_epsilon: float | None = Field(None, gt=0, le=1e4)
+    """Privacy budget. With on_target=stop (the default) training stops cleanly after the last round whose
+    epsilon stays within it (the run then evaluates and reports as usual); with on_target=calibrate the run
+    sets noise_multiplier, before its first round, to the smallest that spends at most this over the planned rounds."""
+    on_target: Literal["stop", "calibrate"] = "stop"
+    """What target_epsilon does: stop training at the budget, or calibrate noise_multiplier to it before the run."""
+    accountant: Literal["rdp", "prv"] = "rdp"
+    """Opacus's accountant: rdp (Renyi DP of the sampled Gaussian, Mironov et al. 2019) or prv (privacy loss
+    random variables, Gopi et al. 2021: tighter)."""
+    seeded_noise: bool = False
+    """False: the noise and the Poisson sample come from the operating system's entropy (needed for the
+    guarantee: anyone who knows run.seed could otherwise subtract the noise). True: from run.seed, so a rerun
+    computes the same numbers (experiments and tests; no protection against whoever holds the config)."""
+
+    @field_validator("delta", "target_epsilon", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        # a pipeline's text parameter leaves these "" for unset (pipelines/builder.py TEXT_PARAMETERS)
+        return None if isinstance(v, str) and not v.strip() else v
 
 
 class TelemetryConfig(Section):

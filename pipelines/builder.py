@@ -45,7 +45,7 @@ FIXED_FIELDS = {"method.name", "partition.scheme", "telemetry.pipeline"}
 
 # Unset text fields that are still run parameters (with "" for unset), because the UI is where they are
 # set: data.source names a user's own data (data.dataset=files) for a run started from the KFP UI.
-TEXT_PARAMETERS = {"data.source"}
+TEXT_PARAMETERS = {"data.source", "privacy.delta", "privacy.target_epsilon"}
 
 # The pipeline's resource parameters and their defaults. Kubeflow's driver reads a resource given as a
 # runtime parameter from the parameter's *string* value (backend/src/v2/driver: initPodSpecPatch ->
@@ -383,7 +383,7 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
     """Several methods on the same partition and budget, ending with a comparison table."""
     name = pipeline_name(None)
     cfg = _deployed(cfg, options, name)
-    shared = ("run", "data", "partition", "model", "train", "eval", "telemetry")
+    shared = ("run", "data", "partition", "model", "train", "eval", "telemetry", "privacy")
     fields = flat_fields(cfg, shared)
     c = build(options.image, options.training_image, fields, methods)
     signature = _signature(fields, _one_line(cfg), options)

@@ -66,6 +66,7 @@ class APFL(Algorithm):
     name = "apfl"
     Params = APFLParams
     paper = "Deng et al. 2020, Algorithm 1 and Eq. 10 (adaptive alpha)"
+    uploads = "the global model (its local model and alpha stay on the client)"
     departures = (
         "alpha=0.5: where every client's adaptive alpha starts is fedpipe's choice (the paper's fixed-alpha runs use "
         "0.25, 0.5 and 0.75)",

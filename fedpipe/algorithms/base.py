@@ -136,6 +136,13 @@ class Algorithm(ABC):
     paper: ClassVar[str]  # where its update rules come from
     supports_finetune: ClassVar[bool] = True  # False where personalization is not one model per client
     departures: ClassVar[tuple[str, ...] | None] = None  # defaults departing from the paper or filling its gaps; None: not listed
+    #: Its private surface, in plain words: what leaves a client in a communicating round (`fedpipe methods`)
+    uploads: ClassVar[str] = "the global model"
+    #: Why `privacy.enabled` cannot cover it (its server uses per-client statistics outside the clipped, noised
+    #: sum), or None when the engine's differential privacy covers everything it uploads (`fedpipe.engine.privacy`)
+    privacy_refusal: ClassVar[str | None] = None
+    #: What privacy leaves visible even when it covers the method (said by `fedpipe methods` and the run's log)
+    privacy_caveat: ClassVar[str | None] = None
 
     def __init__(self, params: MethodParams, model: nn.Module, seed: int):
         self.params = params
@@ -201,6 +208,13 @@ class Algorithm(ABC):
         their global counterparts). A distributed phase all-reduces the average and calls this directly."""
         return ServerState({**server.global_params, **averaged}, server.per_client)
 
+    def apply_private(self, server: ServerState, estimate: Params) -> ServerState:
+        """The server state after a private round (`privacy.enabled`): `estimate` is the differentially private
+        mean of the clients' uploads (DP-FedAvg's noised, clipped estimate, `fedpipe.engine.privacy`). By default it
+        replaces the global tensors as `apply_average` does; a method with its own rule that is post-processing
+        of the mean (pFedMe's server mix) overrides this."""
+        return self.apply_average(server, estimate)
+
     def round_details(self, server: ServerState, clients: dict[int, Params]) -> dict:
         """Method-specific records of a finished round, JSON-serialisable (e.g. each client's branch
         weights), written to the round's line in the run's JSONL file; never pushed as metrics."""
@@ -226,6 +240,20 @@ class Algorithm(ABC):
     def candidate_label(self) -> str | None:
         """Name of the candidate axis when there are several (e.g. "lam")."""
         return None
+
+
+def privacy_problem(algorithm: Algorithm, phases: list[Phase]) -> str | None:
+    """Why `privacy.enabled` cannot cover this configured method, or None: a declared refusal, or a communicating
+    phase aggregated by a rule of its own that is not post-processing of the private mean (`apply_private`)."""
+    if algorithm.privacy_refusal:
+        return f"method {algorithm.name} cannot run with privacy.enabled: {algorithm.privacy_refusal}"
+    inner = getattr(algorithm, "inner", algorithm)  # a FineTuned wrapper: the wrapped method's rule
+    for phase in phases:
+        rule = algorithm.aggregation(phase)
+        if phase.communicates and rule.kind == "custom" and type(inner).apply_private is Algorithm.apply_private:
+            return (f"method {algorithm.name} cannot run with privacy.enabled: its phase {phase.name!r} aggregates by its own "
+                    f"rule ({rule.description}), which the engine's private mean does not cover")
+    return None
 
 
 def federation_phase(rounds: int, description: str) -> Phase:

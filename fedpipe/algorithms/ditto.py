@@ -59,6 +59,7 @@ class Ditto(Algorithm):
     name = "ditto"
     Params = DittoParams
     paper = "Li et al. 2021, Algorithm 1 (Eq. 2)"
+    uploads = "the global model (its personal model stays on the client)"
     departures = (
         "lam=0.1: fedpipe's value; the paper tunes lambda per dataset",
         "personal_epochs=None: the personal update runs train.local_epochs epochs, as the global one, at the same rate "

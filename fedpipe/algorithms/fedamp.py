@@ -111,6 +111,9 @@ class FedAMP(Algorithm):
     name = "fedamp"
     Params = FedAMPParams
     paper = "Huang et al. 2021, Eq. 3-7"
+    uploads = "its whole model w_i, which the server keeps per client"
+    privacy_refusal = ("its server keeps each client's model and weighs every pair of clients by their models' similarity "
+                       "(Eq. 6-7): per-client statistics outside a clipped, noised sum")
     departures = (
         "step=capped, min_self_weight=0.5: the server's alpha_k is lowered per client and round so that xi_ii >= 0.5 "
         "(Eq. 7 with alpha_k = 1 gave xi_ii < 0 in real runs); step=fixed is Eq. 7 as written, checked",

@@ -91,6 +91,8 @@ class FedFomo(Algorithm):
     name = "fedfomo"
     Params = FedFomoParams
     paper = "Zhang et al. 2021, Eq. 5-6 and Algorithm 1"
+    uploads = "its whole model and its M weights w_n (validation-loss gains over other clients' models)"
+    privacy_refusal = "its server keeps each client's model and affinities (Algorithm 1): per-client statistics outside the noised sum"
     departures = (
         "models_per_round=5 (M): PFLlib's default; the official code downloads 8",
         "epsilon=0.3 decaying by epsilon_decay=0.05 per participation of the client: the official code's values, "

@@ -253,6 +253,8 @@ class FedMN(Algorithm):
     name = "fedmn"
     Params = FedMNParams
     paper = "Wang et al. 2022, Eq. 1-3"
+    uploads = "the router and the modules its routed architecture used (which modules it used is visible)"
+    privacy_refusal = "its upload reveals which modules a client uses, and the per-module counts (Eq. 3) are outside the accountant"
     departures = (
         "straight_through=true: hard 0/1 paths forward, the Gumbel-sigmoid's gradient backward (the official run uses "
         "soft samples; the surviving pages do not say)",

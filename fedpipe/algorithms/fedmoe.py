@@ -132,6 +132,7 @@ class FedMoE(Algorithm):
     name = "fedmoe"
     Params = FedMoEParams
     paper = "Listo Zec et al. 2020, Algorithm 1 (Eqs. 4-7)"
+    uploads = "the global model, in the federation phase only; opt-out clients upload nothing (specialist and gate stay local)"
     supports_finetune = False
     departures = (
         "optimizer: train.optimizer (default SGD, lr 0.01) where the paper uses Adam (lr 5e-5; 1e-5 for specialist and "

@@ -43,6 +43,7 @@ class FedPer(SplitModelAlgorithm):
     name = "fedper"
     Params = FedPerParams
     paper = "Arivazhagan et al. 2019, Algorithms 1 and 2"
+    uploads = "the shared base layers (its personalization head stays on the client)"
     departures = (
         "personal_layers=[head]: only the output layer is personal; the paper's experiments personalise the last one or "
         "two fully connected layers (SuPerFed describes FedPer's personalization layer as the penultimate one)",

@@ -71,6 +71,7 @@ class FineTuned(Algorithm):
         self.inner = inner
         self.name = inner.name
         self.paper = f"{inner.paper} + local fine-tuning (Wang et al. 2019)"
+        self.uploads, self.privacy_refusal, self.privacy_caveat = inner.uploads, inner.privacy_refusal, inner.privacy_caveat
 
     def phases(self, params: MethodParams, rounds: int) -> list[Phase]:  # type: ignore[override]
         """The wrapped method's phases, then `finetune` (an instance's: the wrapper knows its method
@@ -115,6 +116,9 @@ class FineTuned(Algorithm):
 
     def apply_average(self, server: ServerState, averaged: Params) -> ServerState:
         return self.inner.apply_average(server, averaged)
+
+    def apply_private(self, server: ServerState, estimate: Params) -> ServerState:
+        return self.inner.apply_private(server, estimate)
 
     def global_model(self, server: ServerState) -> Params | None:
         return self.inner.global_model(server)

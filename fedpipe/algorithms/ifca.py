@@ -86,6 +86,9 @@ class IFCA(Algorithm):
     name = "ifca"
     Params = IFCAParams
     paper = "Ghosh et al. 2020, Algorithm 2 (model averaging)"
+    uploads = "the model of the cluster it chose (the choice travels with it)"
+    privacy_refusal = ("its server learns which cluster each client chose and averages each cluster's uploads over that "
+                       "cluster's clients (Algorithm 2): the choice and the per-cluster counts are outside a clipped, noised sum")
     departures = (
         "cluster j > 0 starts from a seeded fresh initialisation, cluster 0 from the run's initial model "
         "(the paper: random initialisations)",

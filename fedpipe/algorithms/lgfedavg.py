@@ -50,6 +50,7 @@ class LGFedAvg(SplitModelAlgorithm):
     name = "lgfedavg"
     Params = LGFedAvgParams
     paper = "Liang et al. 2020, Algorithm 1 (local representations, global top layers)"
+    uploads = "the global top layers (its local representation layers stay on the client)"
     departures = (
         "global_layers=[head]: only the output layer is global; the authors' scripts keep the last two layers global "
         "(lenet5: global_layers=[body.2, head])",

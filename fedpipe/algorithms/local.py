@@ -34,6 +34,7 @@ class Local(Algorithm):
     name = "local"
     Params = LocalParams
     paper = "no communication (baseline)"
+    uploads = "nothing (epsilon 0)"
     departures = (
         "a client trains only in the rounds it is sampled, E epochs each (the federated methods' compute); SuPerFed's "
         "and pFedMB's Local baselines do not say for how long (pFedMB: until convergence)",

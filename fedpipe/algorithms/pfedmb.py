@@ -151,6 +151,9 @@ class PFedMB(Algorithm):
     name = "pfedmb"
     Params = PFedMBParams
     paper = "Mori et al. 2023, Eq. 1-6 and Algorithm 1"
+    uploads = "its branches and its alpha (the branch weights)"
+    privacy_refusal = ("its server weighs each client's branches by that client's alpha (Eq. 6): the alphas are "
+                       "per-client statistics that steer the aggregate outside a clipped, noised sum")
     departures = (
         "branched_layers=all: every Conv2d and Linear layer is branched (the paper: 'each linear layer')",
         "branch_init=centred: the B branches start as centred perturbations of the base model (the paper does not say)",

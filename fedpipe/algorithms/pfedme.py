@@ -80,6 +80,7 @@ class PFedMe(Algorithm):
     name = "pfedme"
     Params = PFedMeParams
     paper = "Dinh et al. 2020, Algorithm 1"
+    uploads = "its local model w_i (its personalized model theta_i stays on the client)"
     departures = (
         "personal_lr=0.01 (p): PFLlib's default; the paper tunes p per dataset",
         "eta = train.lr 0.01 decayed by 0.999 per round (run-wide): the paper tunes eta per dataset",
@@ -165,6 +166,12 @@ class PFedMe(Algorithm):
             return ServerState({**server.global_params, **mean}, server.per_client)
         old = server.global_params
         mixed = {n: ((1 - beta) * old[n].double() + beta * mean[n].double()).to(old[n].dtype) for n in mean}
+        return ServerState({**old, **mixed}, server.per_client)
+
+    def apply_private(self, server: ServerState, estimate: Params) -> ServerState:
+        """With privacy: Algorithm 1's mix over the private (equal-weight) mean, post-processing of it."""
+        beta, old = self.params.beta, server.global_params
+        mixed = {n: ((1 - beta) * old[n].double() + beta * estimate[n].double()).to(old[n].dtype) for n in estimate}
         return ServerState({**old, **mixed}, server.per_client)
 
     # --- evaluation -----------------------------------------------------------------------------

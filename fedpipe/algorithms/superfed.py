@@ -122,6 +122,7 @@ class SuPerFedMM(Algorithm):
     name = "superfed_mm"
     Params = SuPerFedMMParams
     paper = "Hahn et al. 2022, Eq. 3 and Algorithm 1"
+    uploads = "the global model (its local model stays on the client)"
     departures = (
         "mix_bias=false: biases are shared, not mixed (the released code's models have no biases; its first Table 4 "
         "CNN shared them); mix_norm=true: norm layers' affine weight and bias are mixed (official LinesBN); every "

@@ -10,9 +10,10 @@ from fedpipe.cli.common import _guarded, app
 @app.command()
 @_guarded
 def methods():
-    """List the methods, their phases, the papers their update rules come from, and every default that
+    """List the methods, their phases, the papers their update rules come from, every default that
     departs from its paper or fills a gap the paper leaves (a method's `departures`; docs/faithfulness.md
-    has the equations and the reasons)."""
+    has the equations and the reasons), and each method's private surface: what a client uploads, and
+    whether differential privacy (privacy.enabled) covers it or refuses the method, and why."""
     from fedpipe.algorithms import ALGORITHMS, phases_of
 
     for name, cls in ALGORITHMS.items():
@@ -25,6 +26,14 @@ def methods():
             typer.echo("    defaults vs the paper: the paper's")
         for line in departures or ():
             typer.echo(f"    default departs from the paper: {line}")
+        typer.echo(f"    uploads: {cls.uploads}")
+        if cls.uploads.startswith("nothing"):
+            typer.echo("    privacy: nothing to cover (it never uploads: epsilon 0)")
+        elif cls.privacy_refusal:
+            typer.echo(f"    privacy: refused ({cls.privacy_refusal})")
+        else:
+            typer.echo("    privacy: covered (the upload is clipped and noised; what stays on the client needs no noise)"
+                       + (f"; {cls.privacy_caveat}" if cls.privacy_caveat else ""))
 
 
 @app.command()

@@ -22,6 +22,7 @@ from fedpipe.data.federated import FederatedData
 from fedpipe.engine.batched import BatchJob, batchable, stage_key, train_batched
 from fedpipe.engine.choice import amp_mode, clients_mode
 from fedpipe.engine.chunking import SAFETY, auto_chunk, client_bytes, memory_budget
+from fedpipe.engine.privacy import Privacy
 from fedpipe.engine.sequential import ClientStats, train_client
 from fedpipe.errors import FedpipeError
 from fedpipe.seeding import torch_generator
@@ -53,11 +54,23 @@ class ClientOutcome:
     stats: ClientStats | None = None
     upload_bytes: int = 0
     error: str | None = None
+    update_norm: float | None = None  # with privacy: the L2 norm of the update before clipping (`upload` is then the clipped update)
 
 
 def _check_finite(client_id: int, params: Params | None) -> None:
     if params is not None and not all(torch.isfinite(t).all() for t in params.values()):
         raise FloatingPointError(f"client {client_id} produced non-finite weights")
+
+
+def privatize(privacy: Privacy, works: list[ClientWork], outcomes: list[ClientOutcome], round_: int) -> None:
+    """Each upload that came back replaced by the client's clipped (in local mode also noised) update, and its
+    norm before clipping kept in the outcome (`Privacy.privatize`)."""
+    sent = [(w, o) for w, o in zip(works, outcomes) if o.upload is not None and not o.error]
+    if not sent:
+        return
+    updates, norms = privacy.privatize([o.client_id for _, o in sent], [o.upload for _, o in sent], [w.download for w, _ in sent], round_)
+    for (_, o), update, norm in zip(sent, updates, norms):
+        o.upload, o.update_norm = update, norm
 
 
 class ClientTrainer:
@@ -66,8 +79,10 @@ class ClientTrainer:
     seeded by (`seed`, "client", round, client id)."""
 
     def __init__(self, algorithm: Algorithm, phase: Phase, data: FederatedData, train: TrainConfig,
-                 engine: EngineConfig, seed: int, on_chunk: Callable[[int, str], None] | None = None):
+                 engine: EngineConfig, seed: int, on_chunk: Callable[[int, str], None] | None = None,
+                 privacy: Privacy | None = None):
         self.algorithm, self.phase = algorithm, phase
+        self.privacy = privacy if phase.communicates else None  # clips (and in local mode noises) what leaves a client
         self.train_cfg, self.engine, self.seed = train, engine, seed
         self.by_id = {c.client_id: c for c in data.clients}
         self.device = data.global_test.y.device
@@ -186,7 +201,14 @@ class ClientTrainer:
 
     # --- the choice -----------------------------------------------------------------------------
     def train(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:
-        """Outcomes of `works`, in their order."""
+        """Outcomes of `works`, in their order; with privacy, each upload is the client's clipped update
+        (`fedpipe.engine.privacy`), computed here, on the client's side of the round."""
+        outcomes = self._train(works, round_, lr)
+        if self.privacy is not None:
+            privatize(self.privacy, works, outcomes, round_)
+        return outcomes
+
+    def _train(self, works: list[ClientWork], round_: int, lr: float) -> list[ClientOutcome]:
         if self.mode == "sequential" or not works:
             return [self.train_one(w, round_, lr) for w in works]
         if self.mode == "batched":

@@ -108,16 +108,18 @@ def assign(works: list[ClientWork], sizes: dict[int, int], world: int) -> list[l
     return [[w for w in works if owner[w.client_id] == r] for r in range(world)]
 
 
-def _weighted_sums(outcomes: list[ClientOutcome]) -> tuple[dict[str, torch.Tensor], float, dict[str, tuple]]:
+def _weighted_sums(outcomes: list[ClientOutcome], equal: bool = False) -> tuple[dict[str, torch.Tensor], float, dict[str, tuple]]:
     """sum_k n_k * theta_k (float64, on the CPU) over this rank's uploads, sum_k n_k, and each tensor's
-    (shape, dtype); the uploads themselves are dropped (they need not travel)."""
+    (shape, dtype); the uploads themselves are dropped (they need not travel). `equal`: every weight is 1
+    (with privacy the uploads are clipped updates, summed as they are)."""
     sent = [o for o in outcomes if o.upload is not None and not o.error]
     uploads = [{k: t.detach().cpu() for k, t in o.upload.items()} for o in sent]
-    sums = weighted_sum(uploads, [o.num_samples for o in sent])
+    weights = [1.0 if equal else o.num_samples for o in sent]
+    sums = weighted_sum(uploads, weights)
     meta = {k: (tuple(t.shape), t.dtype) for k, t in uploads[0].items()} if uploads else {}
     for o in sent:
         o.upload = None
-    return sums, float(sum(o.num_samples for o in sent)), meta
+    return sums, float(sum(weights)), meta
 
 
 class DistributedRound:
@@ -126,6 +128,9 @@ class DistributedRound:
     def __init__(self, group: Group, trainer: ClientTrainer):
         self.group, self.trainer = group, trainer
         self.reduce = uses_weighted_mean(trainer.algorithm, trainer.phase)
+        # with privacy every rank holds its clients' clipped updates (`ClientTrainer.train`): their plain sum is
+        # all-reduced, and rank 0 adds the noise (`fedpipe.engine.privacy`)
+        self.private = trainer.privacy is not None
 
     def _scatter(self, messages: list | None):
         box = [None]
@@ -137,7 +142,7 @@ class DistributedRound:
         outcomes = self.trainer.train(works, round_, lr)
         if not self.reduce:
             return outcomes, None, 0.0
-        sums, weight, meta = _weighted_sums(outcomes)
+        sums, weight, meta = _weighted_sums(outcomes, equal=self.private)
         # ranks agree on the uploaded tensors first (a rank may have trained nobody, or only failures)
         metas: list = [None] * self.group.world
         dist.all_gather_object(metas, meta, group=self.group.objects)
@@ -152,13 +157,17 @@ class DistributedRound:
         for k in names:
             shape, dtype = shapes[k]
             n = int(torch.Size(shape).numel())
-            out[k] = (flat[at : at + n].view(shape) / total).to(dtype) if total > 0 else None
+            if self.private:  # the sum of the clipped updates, in float64
+                out[k] = flat[at : at + n].view(shape).clone()
+            else:
+                out[k] = (flat[at : at + n].view(shape) / total).to(dtype) if total > 0 else None
             at += n
         return outcomes, (out if total > 0 and names else None), total
 
     def lead(self, round_: int, lr: float, works: list[ClientWork]) -> tuple[list[ClientOutcome], Params | None]:
         """Rank 0: run a round over every rank. Returns the outcomes in the order of `works` and,
-        when the ranks all-reduced, the sample-weighted average (None otherwise, or when nobody uploaded)."""
+        when the ranks all-reduced, the sample-weighted average (with privacy: the sum of the clipped
+        updates; None otherwise, or when nobody uploaded)."""
         sizes = {w.client_id: len(self.trainer.by_id[w.client_id].train) for w in works}
         shares = assign(works, sizes, self.group.world)
         try:

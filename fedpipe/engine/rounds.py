@@ -14,7 +14,9 @@ import torch
 from fedpipe.algorithms.base import Algorithm, Phase, Upload
 from fedpipe.config import TrainConfig
 from fedpipe.data.federated import FederatedData
+from fedpipe.engine.accounting import Ledger, default_delta
 from fedpipe.engine.clients import ClientOutcome, ClientWork, payload_bytes
+from fedpipe.engine.privacy import Privacy, poisson_sample, sum_updates
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import TrainingError
 from fedpipe.seeding import torch_generator
@@ -22,23 +24,34 @@ from fedpipe.seeding import torch_generator
 log = logging.getLogger(__name__)
 
 
-def select_clients(data: FederatedData, phase: Phase, fraction: float, seed: int, round_: int) -> list[int]:
+def eligible_clients(data: FederatedData, phase: Phase) -> list[int]:
+    """Who may join the phase's rounds: every client, but opt-out clients never join a communicating phase."""
+    return [c.client_id for c in data.clients if not (phase.communicates and c.opt_out)]
+
+
+def select_clients(data: FederatedData, phase: Phase, fraction: float, seed: int, round_: int,
+                   privacy: Privacy | None = None) -> list[int]:
     """The clients of a round, without replacement, seeded by (seed, round).
 
     m = max(1, round(C * K)) with K all clients; opt-out clients never join a communicating phase,
     and the round keeps m participants when there are enough opt-in clients (as the mixture-of-experts
-    paper does). Phases that do not sample take every eligible client.
+    paper does). Phases that do not sample take every eligible client. With privacy, a communicating
+    phase samples by Poisson instead: each eligible client with probability C, on its own (the round's
+    size varies and may be 0; the accountant assumes it, `fedpipe.engine.privacy`).
     """
-    pool = [c.client_id for c in data.clients if not (phase.communicates and c.opt_out)]
+    pool = eligible_clients(data, phase)
     if not phase.sample_clients:
         return pool
+    if privacy is not None and phase.communicates:
+        return poisson_sample(pool, fraction, privacy.cfg, privacy.seed, round_)
     m = min(len(pool), max(1, round(fraction * data.num_clients)))
     order = torch.randperm(len(pool), generator=torch_generator(seed, "sample", round_))
     return sorted(pool[i] for i in order[:m].tolist())
 
 
 #: Trains a round's clients and returns their outcomes (in the order given) and, when the ranks of a
-#: distributed phase already all-reduced the uploads, their sample-weighted average (else None).
+#: distributed phase already all-reduced the uploads, their sample-weighted average (else None); with
+#: privacy, the sum of the clients' clipped updates instead (`fedpipe.engine.privacy`).
 RoundTrainer = Callable[[int, float, list[ClientWork]], "tuple[list[ClientOutcome], dict | None]"]
 
 
@@ -78,17 +91,21 @@ class RoundCallback(Protocol):
 
 
 def run_phase(algorithm: Algorithm, phase: Phase, data: FederatedData, state: PhaseState, train: TrainConfig, seed: int,
-              train_round: RoundTrainer, callbacks: Sequence[RoundCallback] = ()) -> PhaseState:
+              train_round: RoundTrainer, callbacks: Sequence[RoundCallback] = (), privacy: Privacy | None = None) -> PhaseState:
     """Run the rounds of `phase` after `state.round` and return the phase's final state.
 
     `train_round` trains each round's clients (in this process, `ClientTrainer.train`; a distributed
-    phase passes rank 0's side of `fedpipe.engine.distributed.DistributedRound`)."""
+    phase passes rank 0's side of `fedpipe.engine.distributed.DistributedRound`). With `privacy`
+    (a communicating phase), the phase ends early, cleanly, after the last round whose epsilon stays
+    within privacy.target_epsilon (`within_budget`); its final state is then that round's."""
     for cb in callbacks:
         cb.on_phase_start(phase, state)
     for round_ in phase.rounds:
         if round_ <= state.round:
             continue  # finished before a restart
-        result = run_round(algorithm, phase, data, state, train, seed, train_round, round_)
+        if privacy is not None and not within_budget(privacy, state, data, round_):
+            break
+        result = run_round(algorithm, phase, data, state, train, seed, train_round, round_, privacy)
         for cb in callbacks:
             cb.on_round_end(state, result)
     state.phase = phase.name
@@ -97,13 +114,39 @@ def run_phase(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     return state
 
 
+def ledger_of(privacy: Privacy, state: PhaseState, data: FederatedData) -> Ledger:
+    """The run's accountant, kept in the state (a new one before the first private round)."""
+    if state.privacy is None:
+        cfg = privacy.cfg
+        state.privacy = Ledger(cfg.accountant, cfg.delta if cfg.delta is not None else default_delta(data.num_clients))
+    return state.privacy
+
+
+def within_budget(privacy: Privacy, state: PhaseState, data: FederatedData, round_: int) -> bool:
+    """Whether round `round_` may run: always without privacy.target_epsilon; else only when the epsilon after
+    it stays within the target (once a round would exceed it, no later communicating round runs either)."""
+    target = privacy.cfg.target_epsilon
+    if target is None or privacy.cfg.on_target != "stop":
+        return True
+    ledger = ledger_of(privacy, state, data)
+    if ledger.stopped_at is None and ledger.epsilon_after(privacy.sigma, privacy.q) <= target:
+        return True
+    if ledger.stopped_at is None:
+        ledger.stopped_at = state.round
+        log.warning("privacy.target_epsilon=%g reached: round %d would spend epsilon %.3f (delta %.3g); training stops after "
+                    "round %d at epsilon %.3f, and the run goes on to evaluate as usual.", target, round_,
+                    ledger.epsilon_after(privacy.sigma, privacy.q), ledger.delta, state.round, ledger.epsilon())
+    return False
+
+
 def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: PhaseState, train: TrainConfig, seed: int,
-              train_round: RoundTrainer, round_: int) -> RoundResult:
+              train_round: RoundTrainer, round_: int, privacy: Privacy | None = None) -> RoundResult:
     """One round: sample, train, keep the clients' new states, aggregate; `state` then holds its result."""
     t0 = time.perf_counter()
     lr = train.lr * train.lr_decay ** (round_ - 1)
-    chosen = select_clients(data, phase, train.client_fraction, seed, round_)
-    if not chosen:
+    private = privacy is not None and phase.communicates
+    chosen = select_clients(data, phase, train.client_fraction, seed, round_, privacy if private else None)
+    if not chosen and not private:
         raise TrainingError(f"No client can take part in phase {phase.name!r}: every client is opt-out. Lower partition.opt_out_fraction.")
     works = [ClientWork(cid, algorithm.download(phase, state.server, cid), state.clients.get(cid)) for cid in chosen]
     outcomes, averaged = train_round(round_, lr, works)
@@ -124,13 +167,20 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
         result.loss_sum += o.stats.loss * o.stats.samples
         result.samples += o.stats.samples
     reported = result.clients
+    if private:
+        norms = [o.update_norm for o in outcomes if o.update_norm is not None]
+        if norms:  # how the clip compares with the updates (to choose privacy.clip: near their median, Andrew et al. 2021)
+            result.extra["privacy_clipped_fraction"] = sum(n > privacy.cfg.clip for n in norms) / len(norms)
+            result.extra["privacy_update_norm_median"] = sorted(norms)[len(norms) // 2]
     if reported < min(train.min_clients, len(chosen)) or (chosen and reported == 0):
         raise TrainingError(
             f"Round {round_} of phase {phase.name!r}: only {reported} of {len(chosen)} clients reported back "
             f"(train.min_clients={train.min_clients}). First failure: client {failures[0].client_id}: {failures[0].error}. "
             "Nothing of this round was kept; the phase resumes from its last checkpoint when rerun."
         )
-    if phase.communicates:
+    if private:
+        _aggregate_private(algorithm, privacy, data, state, uploads, averaged, round_, result)
+    elif phase.communicates:
         if averaged is not None:
             state.server = algorithm.apply_average(state.server, averaged)
         else:
@@ -139,3 +189,17 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     state.round = round_
     state.phase = phase.name
     return result
+
+
+def _aggregate_private(algorithm: Algorithm, privacy: Privacy, data: FederatedData, state: PhaseState, uploads: list[Upload],
+                       summed: dict | None, round_: int, result: RoundResult) -> None:
+    """The private aggregate (`Privacy.aggregate`) of the round's clipped updates (`uploads`, or `summed`: the
+    sum the ranks of a distributed phase all-reduced), and the round spent in the accountant."""
+    total = summed if summed is not None else sum_updates([u.tensors for u in uploads])
+    new = privacy.aggregate(state.server.global_params, total, round_)
+    if new:
+        state.server = algorithm.apply_private(state.server, new)
+    ledger = ledger_of(privacy, state, data)
+    ledger.spend(privacy.sigma, privacy.q)
+    result.extra["epsilon"] = ledger.epsilon()
+    result.extra["privacy_delta"] = ledger.delta

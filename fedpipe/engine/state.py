@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from fedpipe.algorithms.base import Params, ServerState
+from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.client_states import ClientKeys, ClientStates
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store.base import Store
@@ -43,6 +44,7 @@ class PhaseState:
     clients: MutableMapping[int, Params] = field(default_factory=dict)  # a dict, or a ClientStates
     config_fingerprint: str = ""
     selection: Selection | None = None  # train.select: the best round so far and its server state
+    privacy: Ledger | None = None  # privacy.enabled: the run's accountant so far (carried from phase to phase)
 
     def __setattr__(self, name, value) -> None:
         super().__setattr__(name, value)
@@ -67,6 +69,8 @@ class PhaseState:
         }
         if refs:
             d["client_refs"] = refs
+        if self.privacy is not None:
+            d["privacy"] = self.privacy.to_json()
         if self.selection is not None:
             sel = self.selection
             d["selection"] = {"round": sel.round, "score": sel.score, "global": _cpu(sel.server.global_params),
@@ -101,6 +105,7 @@ class PhaseState:
                 clients=kept,
                 config_fingerprint=d.get("config_fingerprint", ""),
                 selection=_selection(d.get("selection")),
+                privacy=Ledger.from_json(d["privacy"]) if d.get("privacy") is not None else None,
             )
         except Exception as e:  # any unreadable content is a bad artifact, reported as such
             raise CorruptArtifactError(

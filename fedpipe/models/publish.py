@@ -161,7 +161,8 @@ def finish_promotion(line: ModelLine, record: VersionRecord) -> None:
 def final_state_bytes(run: Run) -> bytes:
     """The run's final state with every client's state inline (a version is read without the run's folder)."""
     state = run.checkpoints(run.phases()[-1].name).load_final("cpu")
-    inline = PhaseState(state.method, state.phase, state.round, state.server, dict(state.clients.items()), state.config_fingerprint)
+    inline = PhaseState(state.method, state.phase, state.round, state.server, dict(state.clients.items()), state.config_fingerprint,
+                        privacy=state.privacy)  # a version keeps the epsilon its training spent
     return inline.to_bytes()
 
 

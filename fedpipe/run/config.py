@@ -23,6 +23,7 @@ from fedpipe.config import (
     MAX_CLIENTS,
     EngineConfig,
     EvalConfig,
+    PrivacyConfig,
     RegistryConfig,
     RunSection,
     Section,
@@ -75,6 +76,7 @@ class RunConfig(Section):
     telemetry: TelemetryConfig = TelemetryConfig()
     engine: EngineConfig = EngineConfig()
     registry: RegistryConfig = RegistryConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -99,6 +101,25 @@ class RunConfig(Section):
                                  "(far above real use: check for a typo such as an extra zero)")
         return self
 
+    @model_validator(mode="after")
+    def _privacy_covers(self):
+        # a method whose server uses per-client statistics is refused rather than run with a false epsilon
+        if not self.privacy.enabled:
+            return self
+        from fedpipe.algorithms import ALGORITHMS
+
+        refusal = ALGORITHMS[self.method.name].privacy_refusal
+        if refusal:
+            raise ValueError(f"method {self.method.name} cannot run with privacy.enabled: {refusal}. Choose a method that "
+                             "`fedpipe methods` lists as covered, or turn privacy off")
+        if self.train.select != "last":
+            raise ValueError(f"train.select={self.train.select} picks a round by the clients' validation scores, which uses their "
+                             "data outside the privacy accountant: with privacy.enabled use train.select=last")
+        if self.privacy.on_target == "calibrate" and self.privacy.target_epsilon is None:
+            raise ValueError("privacy.on_target=calibrate needs privacy.target_epsilon (the budget to calibrate "
+                             "noise_multiplier to)")
+        return self
+
     def model_name(self, input_shape: tuple[int, ...] | None = None) -> str:
         """model.name, with auto resolved for the data's input shape (a bundled dataset's is known from
         its name; data.dataset=files needs the loaded data's `input_shape`)."""
@@ -120,6 +141,8 @@ class RunConfig(Section):
         for section, key, unset in LATER_FIELDS:
             if d[section].get(key, unset) == unset:
                 d[section].pop(key, None)
+        if not self.privacy.enabled:  # added later, and meaningless while off: a run without it keeps its id
+            d.pop("privacy")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def run_id(self) -> str:

@@ -20,6 +20,7 @@ from fedpipe.engine.evaluation import PersonalizedResult, Scores, evaluate_globa
 from fedpipe.engine.state import PhaseState
 from fedpipe.run.config import RunConfig
 from fedpipe.run.layout import RunLayout
+from fedpipe.run.privacy import privacy_summary
 from fedpipe.store import Store
 from fedpipe.telemetry.jsonl import read_rounds
 
@@ -41,6 +42,7 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
     pers, glob = _evaluate(cfg, algorithm, state, data, on_global_test=cfg.eval.personalized_on_global_test)
     rows = read_rounds(store, [layout.rounds(p.name) for p in phases])
     summary = build_summary(cfg, layout.run_id, pers, glob, rows, data)
+    summary.update(privacy_summary(cfg, state))
 
     store.put_text(layout.report("summary.json"), json.dumps(summary, indent=2))
     per_client = clients_csv(pers, data)
@@ -59,7 +61,7 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
 
 def score_summary(cfg: RunConfig, run_id: str, algorithm: Algorithm, state: PhaseState, data: FederatedData) -> dict:
     """The summary's accuracy fields for `state` on `data`, without the round log or any file."""
-    return build_summary(cfg, run_id, *_evaluate(cfg, algorithm, state, data), [], data)
+    return {**build_summary(cfg, run_id, *_evaluate(cfg, algorithm, state, data), [], data), **privacy_summary(cfg, state)}
 
 
 def _evaluate(cfg: RunConfig, algorithm: Algorithm, state: PhaseState, data: FederatedData,
@@ -194,12 +196,23 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"  global model           top-1 {_pct(g['top1'])}, top-5 {_pct(g['top5'])}, loss {g['loss']:.3f}, ECE {g['ece']:.3f}")
     lines.append(f"  communication          {c['bytes_uploaded'] / 1e6:.1f} MB up, {c['bytes_downloaded'] / 1e6:.1f} MB down")
     lines.append(f"  training time          {summary['training_seconds']:.0f} s")
+    if isinstance(summary.get("privacy"), dict):
+        lines.append(privacy_line(summary["privacy"]))
     if isinstance(summary.get("data"), dict):
         d = summary["data"]
         lines.append(f"  data                   {d.get('source')} (snapshot {str(d.get('snapshot'))[:12]}...)")
     if "report" in summary:
         lines.append(f"  report                 {summary['report']}")
     return lines
+
+
+def privacy_line(p: dict) -> str:
+    """The summary's privacy line: epsilon at delta, and what spent it."""
+    stopped = p.get("stopped_after_round")
+    return (f"  privacy                epsilon {_number(p.get('epsilon'), '.3f')} at delta {_number(p.get('delta'), '.2g')} "
+            f"({p.get('mode')} DP, {p.get('private_rounds')} private rounds, noise multiplier {_number(p.get('noise_multiplier'), '.3f')}, "
+            f"clip {_number(p.get('clip'), 'g')}, {p.get('accountant')} accountant, Poisson sampling)"
+            + (f"; target_epsilon {p.get('target_epsilon')} stopped training after round {stopped}" if stopped is not None else ""))
 
 
 # --- Markdown and HTML from values that may come from a file ---------------------------------------------

@@ -35,6 +35,7 @@ from fedpipe.nn.networks import build_model
 from fedpipe.run import callbacks, inputs, record
 from fedpipe.run.config import RunConfig
 from fedpipe.run.layout import RunLayout
+from fedpipe.run.privacy import phase_privacy
 from fedpipe.run.report import put_plot, score_summary, write_report
 from fedpipe.run.verify import write_run_manifest
 from fedpipe.safe_load import MAX_RECORD_BYTES, read_store_json
@@ -108,9 +109,11 @@ class Run:  # size: a run's three steps and the building blocks they share (data
 
     def trainer(self, algorithm: Algorithm, phase: Phase, data: FederatedData, record_chunk: bool = False) -> ClientTrainer:
         """The phase's client trainer; with `record_chunk`, the chunk `engine.chunk=auto` picks is added
-        to the phase's engine.json (rank 0 only: one writer)."""
+        to the phase's engine.json (rank 0 only: one writer); with privacy.enabled it clips (and in local mode
+        noises) every upload."""
         on_chunk = (lambda chunk, why: self._record_chunk(phase.name, chunk, why)) if record_chunk else None
-        return ClientTrainer(algorithm, phase, data, self.cfg.train, self.cfg.engine, self.cfg.run.seed, on_chunk)
+        privacy = phase_privacy(self.cfg, algorithm, phase, data)
+        return ClientTrainer(algorithm, phase, data, self.cfg.train, self.cfg.engine, self.cfg.run.seed, on_chunk, privacy=privacy)
 
     def _record_chunk(self, phase: str, chunk: int, why: str) -> None:
         key = self.layout.phase(phase).engine_choice
@@ -364,7 +367,7 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
             around = [callbacks.Evaluation(algorithm, data, cfg.eval), callbacks.Reporting(algorithm, telemetry, run.labels(phase.name)),
                       callbacks.ModelSelection(algorithm, data, cfg.train, cfg.run.seed, cfg.eval.batch_size),
                       callbacks.Checkpointing(ckpt, cfg.train.keep_checkpoints)]
-            state = run_phase(algorithm, phase, data, start, cfg.train, cfg.run.seed, train_round, around)
+            state = run_phase(algorithm, phase, data, start, cfg.train, cfg.run.seed, train_round, around, privacy=trainer.privacy)
     finally:
         if ranks is not None:
             ranks.stop()

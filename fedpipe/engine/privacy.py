@@ -1,0 +1,133 @@
+"""User-level differential privacy on the upload path (the `privacy` config section), applied by the
+engine to what a method declares it uploads, never to its personal state.
+
+DP-FedAvg (McMahan, Ramage, Talwar and Zhang 2018, "Learning differentially private recurrent language
+models", Algorithm 1), per communicating round:
+
+1. Poisson sampling: every eligible client joins with probability q (train.client_fraction), on its own
+   (`poisson_sample`); the accountant's amplification by sampling assumes exactly this.
+2. Client side (`Privacy.privatize`, in whichever process trains the client): the update
+   Delta_k = upload_k - download_k is clipped, Delta_k * min(1, C / ||Delta_k||) (flat, Algorithm 1's
+   ClipFn), or each tensor to C / sqrt(L) (per layer, Sec. 3: the flat norm stays within C); the norms of
+   all of a process's clients at once, from stacked tensors. In local mode the client then adds
+   N(0, sigma^2 C^2 I) to its own clipped update.
+3. Server side (`Privacy.aggregate`): theta + (sum_k Delta_k + N(0, sigma^2 C^2 I)) / (q W) with equal
+   weights w_k = 1 and W the number of eligible clients: the fixed-denominator estimator f~_f of
+   Algorithm 1, whose sensitivity is C / (q W) whatever the round's cohort (in local mode no noise is added
+   here: each update already carries its own).
+
+A sample-weighted mean would let a client with many samples move the model further than C allows, so
+with privacy every client counts once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from fedpipe.algorithms.aggregation import Params
+from fedpipe.config import PrivacyConfig
+from fedpipe.seeding import torch_generator
+
+
+def _generator(cfg: PrivacyConfig, seed: int, *key) -> torch.Generator:
+    """Seeded by (run seed, key) with `seeded_noise`, else from the operating system's entropy."""
+    if cfg.seeded_noise:
+        return torch_generator(seed, *key)
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def poisson_sample(pool: list[int], q: float, cfg: PrivacyConfig, seed: int, round_: int) -> list[int]:
+    """Each client of `pool` independently with probability q (the round may be empty)."""
+    if q >= 1:
+        return list(pool)
+    draws = torch.rand(len(pool), generator=_generator(cfg, seed, "poisson", round_), dtype=torch.float64)
+    return sorted(c for c, u in zip(pool, draws.tolist()) if u < q)
+
+
+def clip_updates(updates: list[Params], clip: float, per_layer: bool) -> tuple[list[Params], list[float]]:
+    """The updates clipped (flat: to L2 norm `clip`; per layer: each tensor to clip / sqrt(L)), in float64,
+    and each update's norm before clipping. Norms of all updates at once, from tensors stacked over clients."""
+    if not updates:
+        return [], []
+    names = list(updates[0])
+    stacked = {k: torch.stack([u[k].to(torch.float64) for u in updates]) for k in names}
+    sq = torch.stack([stacked[k].flatten(1).pow(2).sum(1) for k in names], dim=1)  # (clients, tensors)
+    norms = sq.sum(1).sqrt()
+    if per_layer:
+        bound = clip / math.sqrt(len(names))
+        scale = torch.clamp(bound / sq.sqrt().clamp_min(1e-300), max=1.0)  # (clients, tensors)
+    else:
+        scale = torch.clamp(clip / norms.clamp_min(1e-300), max=1.0)[:, None].expand(-1, len(names))
+    out = [{} for _ in updates]
+    for j, k in enumerate(names):
+        view = (-1,) + (1,) * (stacked[k].dim() - 1)
+        clipped = stacked[k] * scale[:, j].reshape(view)
+        for i in range(len(updates)):
+            out[i][k] = clipped[i]
+    return out, norms.tolist()
+
+
+def gaussian_like(params: Params, std: float, generator: torch.Generator) -> Params:
+    """N(0, std^2) per entry, float64, drawn on the CPU tensor after tensor in the order of the sorted names (the
+    same numbers on any device, and whatever order a distributed all-reduce returns the names in)."""
+    return {k: torch.normal(0.0, std, size=tuple(params[k].shape), generator=generator, dtype=torch.float64).to(params[k].device)
+            for k in sorted(params)}
+
+
+class Privacy:
+    """The `privacy` section at work in one phase: `privatize` on the client side, `aggregate` on the
+    server's. `eligible` is W, the number of clients that may join the phase's rounds; `q` their sample rate."""
+
+    def __init__(self, cfg: PrivacyConfig, seed: int, q: float, eligible: int):
+        self.cfg, self.seed, self.q, self.eligible = cfg, seed, q, eligible
+        self.keys: list[str] | None = None  # the names uploaded in this phase (learnt from its first upload)
+
+    @property
+    def sigma(self) -> float:
+        return self.cfg.noise_multiplier
+
+    def privatize(self, client_ids: list[int], uploads: list[Params], downloads: list[Params], round_: int) -> tuple[list[Params], list[float]]:
+        """Each client's clipped update (upload minus download, float64), with its own noise in local mode;
+        and the norms before clipping."""
+        updates = [{k: up[k].to(torch.float64) - down[k].to(torch.float64) for k in up} for up, down in zip(uploads, downloads)]
+        clipped, norms = clip_updates(updates, self.cfg.clip, self.cfg.per_layer)
+        if self.cfg.mode == "local" and self.sigma > 0:
+            for cid, update in zip(client_ids, clipped):
+                noise = gaussian_like(update, self.sigma * self.cfg.clip, _generator(self.cfg, self.seed, "dp-local", round_, cid))
+                for k in update:
+                    update[k] = update[k] + noise[k]
+        return clipped, norms
+
+    def aggregate(self, global_params: Params, summed: Params | None, round_: int) -> Params:
+        """The new values of the uploaded tensors: theta + (sum of the clipped updates [+ the central noise]) / (q W).
+        `summed` None (nobody uploaded): the noise alone moves the model in central mode (the round is still
+        released and accounted); nothing changes in local mode."""
+        denominator = max(self.q * self.eligible, 1e-12)
+        if summed is None:
+            if self.cfg.mode == "local" or self.sigma == 0:
+                return {}
+            # an empty Poisson round is still released (and accounted): noise alone on what the phase uploads
+            # (every global tensor when no upload was seen yet in this process)
+            keys = self.keys or list(global_params)
+            summed = {k: torch.zeros_like(global_params[k], dtype=torch.float64) for k in keys}
+        self.keys = list(summed)
+        total = dict(summed)
+        if self.cfg.mode == "central" and self.sigma > 0:
+            noise = gaussian_like(total, self.sigma * self.cfg.clip, _generator(self.cfg, self.seed, "dp-central", round_))
+            total = {k: v + noise[k] for k, v in total.items()}
+        return {k: (global_params[k].to(torch.float64) + v.to(global_params[k].device) / denominator).to(global_params[k].dtype)
+                for k, v in total.items()}
+
+
+def sum_updates(updates: list[Params]) -> Params | None:
+    """sum_k Delta_k, float64, in the order given (None for no update)."""
+    if not updates:
+        return None
+    out = {k: torch.zeros_like(t, dtype=torch.float64) for k, t in updates[0].items()}
+    for u in updates:
+        for k in out:
+            out[k] += u[k].to(torch.float64)
+    return out
