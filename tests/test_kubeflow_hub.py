@@ -178,3 +178,28 @@ def test_the_config_keeps_credentials_out_and_hub_off_by_default(monkeypatch, tm
     (tmp_path / "token").write_text(TOKEN + "\n")
     monkeypatch.setenv(hub.ENV_TOKEN_FILE, str(tmp_path / "token"))
     assert hub.token() == TOKEN
+
+
+def test_the_publish_step_registers_the_promoted_version_and_a_rerun_registers_nothing_again(tmp_path, registry):
+    """The whole step (fedpipe.models.publish.publish) on a real tiny run: the gate promotes version 1, the step
+    registers it in the (stand-in) registry and reports it; the same step run again reuses the version and
+    calls the registry for nothing new."""
+    from runs import SMALL
+
+    from fedpipe.models.publish import publish
+    from fedpipe.run.run import Run
+
+    cfg = load_config(None, [*SMALL, "data.dataset=digits", "partition.num_clients=4", "train.rounds=1", "method.name=fedavg",
+                             "run.threads=1", "registry.name=digits", f"run.store={tmp_path}", "run.id=hub-1",
+                             f"registry.kubeflow_hub.url={registry.url}"])
+    run = Run(cfg)
+    run.run_all()
+    result = publish(run)
+    assert result["promoted"] and result["version"] == 1
+    (status,) = result["kubeflow_hub"]
+    assert status["registered"] and status["model"] == "digits" and status["version"] == "1"
+    (version,) = registry.versions.values()
+    assert _props(version)["fedpipe.run_id"] == "hub-1" and _props(version)["fedpipe.gate.promoted"] is True
+    (artifact,) = registry.artifacts.values()
+    assert artifact["uri"] == status["uri"] and run.store.exists("models/digits/versions/1/spec.json")
+    assert publish(run).get("reused") and len(registry.versions) == 1
