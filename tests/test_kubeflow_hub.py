@@ -198,6 +198,7 @@ def test_the_publish_step_registers_the_promoted_version_and_a_rerun_registers_n
     assert result["promoted"] and result["version"] == 1
     (status,) = result["kubeflow_hub"]
     assert status["registered"] and status["model"] == "digits" and status["version"] == "1"
+    assert status["storage_uri"] == "model-registry://digits/1"  # KServe's model-registry storage initializer resolves it
     (version,) = registry.versions.values()
     assert _props(version)["fedpipe.run_id"] == "hub-1" and _props(version)["fedpipe.gate.promoted"] is True
     (artifact,) = registry.artifacts.values()

@@ -167,6 +167,7 @@ def register_version(line: ModelLine, record: VersionRecord, cfg: KubeflowHubCon
     registry says: returns the status that is kept beside the line (registered or not, and why)."""
     name, uri = model_name(line, cfg), line.store.url(line.keys.version(record.version).rstrip("/"))
     status = {"registered": False, "url": cfg.url, "model": name, "version": str(record.version), "uri": uri,
+              "storage_uri": f"model-registry://{name}/{record.version}",  # what an InferenceService names once registered
               "at": datetime.now(UTC).isoformat(timespec="seconds")}
     for attempt in range(1, ATTEMPTS + 1):
         status["attempts"] = attempt
