@@ -217,6 +217,33 @@ class DropCheckConfig(Section):
     """Clients with fewer test samples in the new drop are reported but never flagged (too few to tell)."""
 
 
+class KubeflowHubConfig(Section):
+    """Kubeflow Hub (Kubeflow Model Registry): where each promoted version is registered as a RegisteredModel
+    (the line) / ModelVersion (the version, with the gate's figures and the data snapshot as custom
+    properties) / ModelArtifact (the version's folder in the store), so that KServe can name it as
+    `model-registry://<model>/<version>`. The token is never part of the config: it comes from the
+    environment (FEDPIPE_HUB_TOKEN, or the file FEDPIPE_HUB_TOKEN_FILE names, else the pod's service-account
+    token). A registration that fails keeps the promotion and is retried by the next publication."""
+
+    url: str = Field("", max_length=MAX_URL_CHARS)
+    """The registry's REST address, e.g. https://model-registry-service.kubeflow.svc.cluster.local:8443 or
+    http://model-registry-service.kubeflow:8080; empty: nothing is registered in Kubeflow Hub."""
+    model: str = Field("", pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,127})?$")
+    """The RegisteredModel's name; empty: the line's name (registry.name)."""
+    author: str = Field("fedpipe", min_length=1, max_length=128)
+    """The author (and the new RegisteredModel's owner) the registry records."""
+
+    @field_validator("url")
+    @classmethod
+    def _http_without_credentials(cls, value: str) -> str:
+        text = value.strip()
+        if text and not re.fullmatch(r"https?://[^/?#\s]+(/[^?#\s]*)?", text):
+            raise ValueError(f"registry.kubeflow_hub.url {text[:80]!r} is not an http:// or https:// address of the registry, "
+                             "e.g. https://model-registry-service.kubeflow.svc.cluster.local:8443")
+        return refuse_url_credentials(text, "registry.kubeflow_hub.url", "the token goes in FEDPIPE_HUB_TOKEN (or a file "
+                                      "named by FEDPIPE_HUB_TOKEN_FILE) in the environment")
+
+
 class RegistryConfig(Section):
     """The model line a run's models are registered in, and the gate that decides whether a new version is
     promoted (the `models` layer: fedpipe.models)."""
@@ -239,6 +266,8 @@ class RegistryConfig(Section):
     """A pinned reference set (a folder or s3://bucket/prefix laid out as your data, with its manifest) the
     gate compares on instead of the shared test samples: every sample of a client there scores that
     client's models, all of them the global models. None: the shared test samples."""
+    kubeflow_hub: KubeflowHubConfig = KubeflowHubConfig()
+    """Register each promoted version in Kubeflow Hub (see KubeflowHubConfig); off while its url is empty."""
 
     @field_validator("reference")
     @classmethod

@@ -36,6 +36,7 @@ from fedpipe.algorithms import ALGORITHMS, phases_of
 from fedpipe.components.definitions import Components, build, compile_components
 from fedpipe.config import refuse_url_credentials
 from fedpipe.errors import ConfigError
+from fedpipe.k8s.phasejob import KUEUE_QUEUE_LABEL, QUEUE_NAME
 from fedpipe.k8s.pytorchjob import PhaseJob
 from fedpipe.run.config import RunConfig, load_config
 
@@ -147,6 +148,10 @@ class DeployOptions:
     # The KFP backend the pipeline is compiled for: the floor's pipeline runs on every supported backend;
     # from SECURITY_CONTEXT_KFP on, every task also carries a securityContext (user TASK_USER, non-root).
     kfp_version: str = MIN_KFP_BACKEND
+    # Kueue's LocalQueue for the GPU work (`--kueue-queue`): the training tasks' pods carry Kueue's queue label
+    # (Kueue's `pod` integration admits each pod), a distributed phase's PyTorchJob / TrainJob carries it on the
+    # job object; the CPU steps and the launcher task are not queued. Empty: nothing is queued.
+    kueue_queue: str = ""
 
     def __post_init__(self) -> None:
         for flag, url in (("--pushgateway", self.pushgateway), ("--s3-endpoint", self.s3_endpoint)):
@@ -166,6 +171,9 @@ class DeployOptions:
             if not value or any(c.isspace() for c in value) or (what != "--image-repository" and (":" in value or "/" in value)):
                 raise ConfigError(f"{what} {value!r} is not valid: a repository looks like ghcr.io/fedpipe/fedpipe, a tag like 0.1.0.")
         resource_defaults(self.resources)
+        if not QUEUE_NAME.fullmatch(self.kueue_queue):
+            raise ConfigError(f"--kueue-queue {self.kueue_queue!r} is not a Kueue LocalQueue name (lower-case letters, digits, '-' "
+                              "and '.', at most 63 characters; `kubectl get localqueues -n NAMESPACE` lists them).")
 
     @property
     def task_security_context(self) -> bool:
@@ -303,6 +311,7 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
             task.set_memory_request(v["memory_request"]).set_memory_limit(v["memory_limit"])
             kubernetes.add_node_selector_json(task, v["node_selector"])
             kubernetes.add_toleration_json(task, v["tolerations"])
+            queue(task, options)
         task.set_retry(options.retries)
         _storage(task, options)
         previous = task.outputs["state"]
@@ -311,6 +320,13 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
     if publish:  # after evaluate: its output (the run id) is the publish task's input
         _step(c.publish(config=config, evaluated_run=evaluate.outputs["Output"]).set_display_name("publish"), v, options)
     return evaluate
+
+
+def queue(task, options: DeployOptions) -> None:
+    """A GPU task's pod waits in Kueue's LocalQueue `options.kueue_queue` (KUEUE_QUEUE_LABEL on the pod: Kueue's
+    pod integration, sigs.k8s.io/kueue pkg/controller/jobs/pod, gates it until its ClusterQueue admits it)."""
+    if options.kueue_queue:
+        kubernetes.add_pod_label(task, KUEUE_QUEUE_LABEL, options.kueue_queue)
 
 
 def _step(task, v: dict, options: DeployOptions) -> None:
@@ -327,7 +343,8 @@ def _launcher_task(c: Components, v: dict, options: DeployOptions, job: PhaseJob
     storage = {"s3_endpoint": options.s3_endpoint, "s3_secret_keys": list(options.s3_secret_keys), "signing_secret": options.signing_secret,
                "pushgateway": options.pushgateway, "extra_env": dict(options.extra_env)}
     task = c.launch_phase_job(
-        config=config, phase=job.phase, manifest=manifest, job=job.as_dict(), image=options.training_image, storage=storage,
+        config=config, phase=job.phase, manifest=manifest, job=replace(job, queue=job.queue or options.kueue_queue).as_dict(),
+        image=options.training_image, storage=storage,
         cpu_request=v["cpu_request"], cpu_limit=v["cpu_limit"], memory_request=v["memory_request"], memory_limit=v["memory_limit"],
         accelerator_type=v["accelerator_type"], node_selector=v["node_selector"], tolerations=v["tolerations"], s3_secret=options.s3_secret,
         **inputs,

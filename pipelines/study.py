@@ -53,6 +53,7 @@ from fedpipe.pipelines.builder import (
     _storage,
     compile_pipeline,
     parse_kfp_version,
+    queue,
     resource_defaults,
 )
 from fedpipe.study.config import StudyConfig, load_study, split_names
@@ -120,6 +121,7 @@ def _run_tasks(c: dict, v: dict, options: DeployOptions, items, parallelism: int
         task.register_pipeline_channels([v[k] for k in RUN_RESOURCES])
         kubernetes.add_node_selector_json(task, v["node_selector"])
         kubernetes.add_toleration_json(task, v["tolerations"])
+        queue(task, options)  # Kueue's LocalQueue for the trials' GPU pods (--kueue-queue)
         task.set_retry(options.retries)  # a retry runs only the jobs that have no record yet
         _storage(task, options)
     return dsl.Collected(task.output)

@@ -25,6 +25,16 @@ through on a cluster, each rule from the Go (or Python) source it cites (kubeflo
    parses ``--executor_input`` as JSON and hands the function each parameter its signature names from
    ``inputs.parameterValues``.
 
+2a. **driver, from 2.17.0** (backend/src/v2/driver/driver.go ``initPodSpecPatch`` calls util.go
+   ``resolveContainerArgs`` on the command and the arguments, kubeflow/pipelines#12598): before the
+   launcher runs, every ``{{$.inputs.parameters['x']}}`` in a command or argument that does not mention
+   ``$.outputs`` is replaced with ``pbValueToString`` of the *driver's* executor input (no defaults yet:
+   the launcher adds them), and an ``{"IfPresent": ...}`` clause is expanded. A placeholder of a parameter
+   the driver's executor input lacks fails the task ("parameter ... not found in executor input"); numbers
+   are ``%d`` when whole, else Go's ``%g`` (1e-05, not the launcher's 0.00001). ``{{$}}`` is not such a
+   placeholder and is still the launcher's. Unchanged at master 7b70c7b (2026-08-21, 160 commits after
+   2.17.0), the newest source in reach: the 2.18.0 tag itself is not (see KFP_2_18_SOURCE).
+
 4. **loops and dsl.Collected** (driver.go at 2.5.0: ``DAG``, ``resolveInputs``, ``getDAGTasks``,
    ``resolveUpstreamParameters``; at 2.14.0 resolve.go: the same plus ``CollectInputs``; the Argo side in
    backend/src/v2/compiler/argocompiler/dag.go, ``iteratorTask``): see ``_run_loop`` and ``_collected``.
@@ -41,6 +51,7 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 import numpy as np
 
@@ -50,6 +61,24 @@ EXECUTOR_INPUT_FIRST = "2.14.0"
 # The first backend whose driver resolves a ParallelFor's outputs for a task after the loop (dsl.Collected):
 # kubeflow/pipelines#11725 "enable dsl.Collected for parameters & artifacts", commit ed828b5, first tagged 2.14.0.
 COLLECTED = "2.14.0"
+# The first backend whose driver resolves input placeholders in a container's command and arguments itself
+# (driver.go initPodSpecPatch -> util.go resolveContainerArgs; not at 2.16.1, first tagged 2.17.0).
+DRIVER_RESOLVES_ARGS = "2.17.0"
+# What "2.18.0" stands for in this model: kubeflow/pipelines master at this commit (2026-08-21), 160
+# commits after the 2.17.0 tag; the 2.18.0 tag is not in the snapshot read here, so its rules are those
+# of this commit (driver, launcher and API server unchanged for the parameter path since 2.17.0; the
+# Kubernetes config gained init_containers, field 19).
+KFP_2_18_SOURCE = "7b70c7b95f"
+# Every backend version the model runs, oldest first (2.16.1: Kubeflow 26.03.1; 2.17.0, 2.18.0: standalone).
+VERSIONS = ("2.5.0", "2.14.0", "2.15.0", "2.16.0", "2.16.1", "2.17.0", "2.18.0")
+# KFP 2.17's MLflow plugin (backend/src/v2/common/plugins/mlflow/handler.go, RetrieveUserContainerEnvVars at
+# 2.17.0): what the driver adds to every user container when the API server has MLflow configured and
+# injectUserEnvVars is on. MLFLOW_RUN_ID is the task's nested run (OnTaskStart: CreateRun in the experiment,
+# tagged mlflow.parentRunId = the pipeline run's parent run); the launcher ends it (OnTaskEnd: LogBatch of
+# the task's input parameters as JSON text and its Metrics artifacts' scalars, then UpdateRun with the
+# terminal status).
+MLFLOW_PLUGIN_ENV = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")
+MLFLOW_PARENT_TAG = "mlflow.parentRunId"  # backend/src/common/plugins/mlflow/client.go ParentRunTagKey
 
 JOB_PLACEHOLDERS = {  # driver: resolveInputParameter, RuntimeValue constants replaced whole
     "{{$.pipeline_job_name}}": "fedpipe-run-display-name",
@@ -200,6 +229,71 @@ def _collected(loop: LoopRun, key: str, version: str, name: str) -> list:
     if any(isinstance(it[subtask], LoopRun) for it in loop.iterations):
         raise BackendError(f"{name}: collecting from nested loops is not in this model")
     return [it[subtask][inner_key] for it in loop.iterations]
+
+
+def go_g(number: float) -> str:
+    """Go's fmt.Sprintf("%g", n): the shortest digits that round-trip, in exponent form when the exponent is
+    below -4 or at least 6 (strconv/ftoa.go: shortest sets eprec = 6), with a two-digit exponent."""
+    text = repr(float(number))
+    sign = "-" if text.startswith("-") else ""
+    _, digits, exp = Decimal(text.lstrip("-")).normalize().as_tuple()
+    x = len(digits) + exp - 1  # the decimal exponent of the first digit
+    if x < -4 or x >= 6:
+        mantissa = str(digits[0]) + ("." + "".join(map(str, digits[1:])) if len(digits) > 1 else "")
+        return f"{sign}{mantissa}e{'-' if x < 0 else '+'}{abs(x):02d}"
+    return sign + format(Decimal(text.lstrip("-")), "f")
+
+
+def pb_value_to_string(value) -> str:
+    """driver/util.go pbValueToString (2.17.0): a whole number as %d, another as %g, lists and structs as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        whole = float(value) == int(value) and abs(value) < 2**63  # float64(int64(n)) == n
+        return str(int(value)) if whole else go_g(value)
+    return go_json(value)
+
+
+def go_json(value) -> str:
+    """encoding/json Marshal: compact, map keys sorted, UTF-8 kept, and <, >, &, U+2028, U+2029 escaped."""
+    text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(char, escaped)
+    return text
+
+
+FULL_INPUT_PARAMETER = re.compile(r"\{\{\$\.inputs\.parameters\['(.+?)']}}")  # util.go fullInputParameterRe
+
+
+def _driver_substitute(arg: str, values: dict, name: str) -> str:
+    """util.go resolveInputParameterPlaceholders: every full placeholder of an input parameter, or an error."""
+    def one(match: re.Match) -> str:
+        if match.group(1) not in values:
+            raise BackendError(f"{name}: failed to resolve input parameters: parameter {match.group(1)!r} not found in executor input")
+        return pb_value_to_string(values[match.group(1)])
+    return FULL_INPUT_PARAMETER.sub(one, arg)
+
+
+def resolve_container_args(args: list[str], values: dict, name: str) -> list[str]:
+    """util.go resolveContainerArgs (2.17.0+): what the driver makes of a command or argument list before the
+    launcher; `values` is the driver's executor input (the task's resolved inputs, without defaults)."""
+    out = []
+    for arg in args:
+        if "$.outputs" in arg:  # left to Argo / the launcher
+            out.append(arg)
+        elif arg.strip().startswith('{"IfPresent":'):  # isConditionClause / resolveCondition
+            clause = json.loads(arg)["IfPresent"]
+            present = values.get(clause["InputName"]) is not None  # a null value counts as absent
+            chosen = clause.get("Then") if present else clause.get("Else")
+            chosen = [] if chosen is None else [chosen] if isinstance(chosen, str) else chosen
+            out += [_driver_substitute(item, values, name) for item in chosen]
+        else:
+            out.append(_driver_substitute(arg, values, name))
+    return out
 
 
 def _executor_input(values: dict, component: dict) -> dict:
@@ -358,7 +452,10 @@ def _run_dag(spec: dict, dag: dict, dag_inputs: dict, version: str, rng: random.
         container = executors[component["executorLabel"]]["container"]
         values = _resolve_task_inputs(task, component, dag_inputs, produced, run_name, version)
         executor_input = _executor_input(values, component)
-        args = substitute(list(container.get("command", [])) + list(container.get("args", [])), executor_input, version, rng)
+        args = list(container.get("command", [])) + list(container.get("args", []))
+        if _version(version) >= _version(DRIVER_RESOLVES_ARGS):
+            args = resolve_container_args(args, values, run_name)
+        args = substitute(args, executor_input, version, rng)
         received = _received(args, component, run_name)
         produced[name] = outputs(run_name, component, received)
         runs[run_name] = TaskRun(run_name, received, _pod_resources(container, executor_input), produced[name], upstream)
@@ -414,7 +511,9 @@ def unresolved(value, path: str = "") -> list[str]:
 # kubernetes_platform/proto/kubernetes_executor_config.proto at each tag (the backend builds against the
 # tag's own copy: go.mod `replace .../kubernetes_platform => ./kubernetes_platform`), as JSON names, for
 # KubernetesExecutorConfig and the messages fedpipe's pipelines use. 2.15.0 added SecretAsEnv.optional
-# (kubeflow/pipelines#12216), 2.16.0 security_context (field 18).
+# (kubeflow/pipelines#12216), 2.16.0 security_context (field 18); 2.16.1 and 2.17.0 changed no field of these
+# messages (2.17.0 added CreatePvc.data_source, which fedpipe does not use); master after 2.17.0
+# (KFP_2_18_SOURCE) added init_containers (field 19).
 _CONFIG_2_5 = {"secretAsVolume", "secretAsEnv", "pvcMount", "nodeSelector", "podMetadata", "imagePullSecret", "imagePullPolicy",
                "configMapAsVolume", "configMapAsEnv", "activeDeadlineSeconds", "fieldPathAsEnv", "tolerations",
                "genericEphemeralVolume", "nodeAffinity", "podAffinity", "enabledSharedMemory", "emptyDirMounts"}
@@ -433,6 +532,8 @@ KNOWN_FIELDS = {
     "2.16.0": (_CONFIG_2_5 | {"securityContext"}, {**_MESSAGES_2_5, "secretAsEnv": _MESSAGES_2_5["secretAsEnv"] | {"optional"},
                                                    "securityContext": {"runAsUser", "runAsGroup", "runAsNonRoot"}}),
 }
+KNOWN_FIELDS["2.16.1"] = KNOWN_FIELDS["2.17.0"] = KNOWN_FIELDS["2.16.0"]
+KNOWN_FIELDS["2.18.0"] = (KNOWN_FIELDS["2.16.0"][0] | {"initContainers"}, KNOWN_FIELDS["2.16.0"][1])
 
 
 def unknown_platform_fields(config: dict, version: str) -> list[str]:

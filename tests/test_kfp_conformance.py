@@ -2,7 +2,9 @@
 the 2.5.0 launcher (Kubeflow 1.10.1 / 1.10.2: placeholders substituted in a random order) under many
 orders and the 2.14+ one (Kubeflow 1.11, 26.03: `{{$}}` first). Every task must receive fully resolved
 and identical inputs under both, and the driver must find every pod resource it reads. The study pipeline
-(dsl.Collected) needs 2.14.0: under the 2.5.0 model it must fail (tests/test_study_pipeline.py has the rest)."""
+(dsl.Collected) needs 2.14.0: under the 2.5.0 model it must fail (tests/test_study_pipeline.py has the rest).
+The backends of 2026 (2.16.1, 2.17.0, whose driver resolves a container's placeholders itself, and 2.18.0,
+read at master 7b70c7b since its tag is not in the snapshot) must give every task the same inputs."""
 
 import random
 
@@ -11,11 +13,14 @@ import yaml
 from kfp import compiler, dsl
 from kfp_backend import (
     COLLECTED,
+    DRIVER_RESOLVES_ARGS,
     EXECUTOR_INPUT_FIRST,
     KNOWN_FIELDS,
     RANDOM_ORDER,
     BackendError,
     LoopRun,
+    pb_value_to_string,
+    resolve_container_args,
     run_pipeline,
     unknown_platform_fields,
     unresolved,
@@ -216,3 +221,94 @@ def test_a_pipeline_with_a_distributed_phase_resolves_on_every_backend(tmp_path,
     for _ in range(ORDERS):
         for name, task in run_pipeline(spec, arguments, RANDOM_ORDER, rng).items():
             assert not unresolved(task.parameters) and task.parameters == reference[name].parameters, name
+
+
+NEWER = ("2.16.1", "2.17.0", "2.18.0")  # Kubeflow 26.03.1's KFP, and the standalone releases of 2026
+
+
+@pytest.mark.parametrize("version", NEWER)
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_shipped_pipeline_runs_the_same_under_kfp_2_16_1_2_17_and_2_18(name, version):
+    """From 2.17.0 the driver resolves a container's input placeholders itself before the launcher
+    (driver.go initPodSpecPatch -> util.go resolveContainerArgs, at the 2.17.0 tag; unchanged at master
+    7b70c7b, which stands for 2.18.0 here: the tag is not in the snapshot read). A placeholder the driver
+    cannot resolve fails the task, and its number text differs from the launcher's: every task of every
+    shipped pipeline must receive exactly what it receives under 2.14-2.16, with the same pod resources,
+    and its Kubernetes config must hold only fields that version's protos know."""
+    spec, platform = _load(SHIPPED / name)
+    arguments = _changed_arguments(spec)
+    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
+    runs = run_pipeline(spec, arguments, version, random.Random(0))
+    assert set(runs) == set(reference)
+    for task_name, task in runs.items():
+        assert not unresolved(task.parameters), f"{name}: {task_name} receives placeholders under {version}"
+        assert task.parameters == reference[task_name].parameters, f"{name}: {task_name} receives other inputs under {version}"
+        assert task.resources == reference[task_name].resources
+    for label, config in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
+        assert not unknown_platform_fields(config, version), label
+
+
+def _component_with_source(tmp_path, text: str):
+    """A lightweight component whose embedded source (the container's command) holds `text`."""
+
+    @dsl.component(base_image="python:3.11", install_kfp_package=False)
+    def echo(rounds: int, lr: float = 0.5) -> str:
+        return "PLACEHOLDER"
+
+    @dsl.pipeline(name="echo")
+    def pipe(rounds: int = 3):
+        echo(rounds=rounds)
+
+    path = tmp_path / "echo.yaml"
+    compiler.Compiler().compile(pipe, str(path))
+    return yaml.safe_load(path.read_text().replace("PLACEHOLDER", text))
+
+
+@pytest.mark.parametrize("version", ["2.16.1", "2.17.0"])
+def test_the_2_17_driver_fails_a_task_whose_command_names_an_input_it_does_not_have(tmp_path, version):
+    """resolveContainerArgs at 2.17.0 searches the whole command, a lightweight component's source
+    included: placeholder text there of an input the driver's executor input lacks (an input left to
+    its default: the launcher adds defaults later, launcher_v2.go addDefaultParams) fails the task.
+    2.16.1's driver passes the command through, and the launcher leaves an unknown placeholder alone."""
+    spec = _component_with_source(tmp_path, "{{$.inputs.parameters['lr']}}")
+    if version == "2.16.1":
+        assert run_pipeline(spec, {}, version, random.Random(0))["echo"].parameters == {"rounds": 3, "lr": 0.5}
+        return
+    assert DRIVER_RESOLVES_ARGS == version
+    with pytest.raises(BackendError, match="parameter 'lr' not found in executor input"):
+        run_pipeline(spec, {}, version, random.Random(0))
+    # given explicitly, the same text is replaced inside the source, where the launcher would have left it
+    spec = _component_with_source(tmp_path, "{{$.inputs.parameters['rounds']}}")
+    command = spec["deploymentSpec"]["executors"]["exec-echo"]["container"]["command"]
+    resolved = resolve_container_args(command, {"rounds": 3}, "echo")
+    assert any('return "3"' in part for part in resolved) and not any("{{$.inputs" in part for part in resolved)
+
+
+def test_the_2_17_driver_writes_numbers_and_optional_arguments_as_go_does():
+    """util.go pbValueToString and resolveCondition at 2.17.0, pinned to util_test.go's cases
+    (42 -> "42", 0.001 -> "0.001", IfPresent Then/Else) and to Go's %g (shortest digits, exponent form
+    below 1e-4 or from 1e6 on: 1e-05, 1.2345675e+06), where the launcher writes FormatFloat 'f' (0.00001)."""
+    assert [pb_value_to_string(v) for v in (42.0, 0.001, 1e-05, 1234567.5, True, None)] == ["42", "0.001", "1e-05", "1.2345675e+06", "true", ""]
+    assert pb_value_to_string({"b": "<x>", "a": 1}) == '{"a":1,"b":"\\u003cx\\u003e"}'
+    clause = '{"IfPresent": {"InputName": "lines", "Then": ["-n", "{{$.inputs.parameters[\'lines\']}}"], "Else": "--all"}}'
+    assert resolve_container_args(["cat", clause, "{{$.outputs.parameters['out'].output_file}}"], {"lines": 1e-05}, "t") == [
+        "cat", "-n", "1e-05", "{{$.outputs.parameters['out'].output_file}}"]
+    assert resolve_container_args(["cat", clause], {"lines": None}, "t") == ["cat", "--all"]  # null counts as absent
+    assert resolve_container_args(["x-{{$.inputs.parameters['a']}}-{{$.inputs.parameters['b']}}"], {"a": 1, "b": "y"}, "t") == ["x-1-y"]
+
+
+@pytest.mark.parametrize("version", ["2.17.0", "2.18.0"])
+def test_a_pipeline_compiled_for_kfp_2_17_and_2_18_holds_only_fields_they_know(tmp_path, version):
+    """`fedpipe compile --kfp-version 2.17.0` (or 2.18.0): the task's securityContext of 2.16 and nothing
+    the newer protos lack; initContainers (field 19 after 2.17.0) is not used, so 2.17 takes it too."""
+    from fedpipe.pipelines.builder import compile_pipeline, method_pipeline
+    from fedpipe.run.config import load_config
+
+    path = compile_pipeline(method_pipeline(load_config(None, ["method.name=fedavg"]), DeployOptions(kfp_version=version)), tmp_path / "p.yaml")
+    spec, platform = _load(path)
+    for config in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values():
+        assert "securityContext" in config and not unknown_platform_fields(config, version) and not unknown_platform_fields(config, "2.17.0")
+    assert unknown_platform_fields({"initContainers": []}, "2.17.0") == ["initContainers"]
+    assert not unknown_platform_fields({"initContainers": []}, "2.18.0")
+    runs = run_pipeline(spec, _changed_arguments(spec), version, random.Random(0))
+    assert runs and all(not unresolved(t.parameters) for t in runs.values())

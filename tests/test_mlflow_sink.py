@@ -269,3 +269,91 @@ mlflow: {mlflow_uri}
         assert [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")] == [1, 2]
     assert {"study.md", "study.html"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+
+
+def _kfp_2_17_task_runs(client, experiment: str, tasks) -> tuple[str, dict]:
+    """What KFP 2.17.0's MLflow plugin makes before the tasks run: the API server's parent run of the pipeline
+    run, and for each task the driver's nested run (backend/src/v2/common/plugins/mlflow/handler.go,
+    OnTaskStart: CreateRun(experiment, task name, [mlflow.parentRunId = the parent])); {task: run id}."""
+    from kfp_backend import MLFLOW_PARENT_TAG
+
+    parent = client.create_run(experiment, run_name="fedpipe-fedavg-run").info.run_id
+    return parent, {t: client.create_run(experiment, run_name=t, tags={MLFLOW_PARENT_TAG: parent}).info.run_id for t in tasks}
+
+
+def _inject(monkeypatch, mlflow_uri: str, experiment: str, task_run: str) -> None:
+    """handler.go RetrieveUserContainerEnvVars at 2.17.0: the variables the driver puts on the task's container."""
+    from kfp_backend import MLFLOW_PLUGIN_ENV
+
+    for name, value in zip(MLFLOW_PLUGIN_ENV, (task_run, mlflow_uri, experiment), strict=True):
+        monkeypatch.setenv(name, value)
+
+
+def test_under_kfp_2_17s_mlflow_plugin_fedpipe_logs_into_each_tasks_run_and_the_launcher_can_end_it(mlflow_uri, client, tmp_path,
+                                                                                                     monkeypatch):
+    """KFP 2.17.0's native MLflow integration, step by step from its source, with fedpipe in the middle: the
+    driver's nested runs and injected variables; fedpipe's phase work logs into the phase task's run (no run
+    of its own); then the launcher (handler.go OnTaskEnd) logs each task's input parameters as JSON text
+    (metadata FormatExecutionParameters) and its KFP Metrics scalars in ONE LogBatch, and ends the run. MLflow
+    refuses a whole batch when one param changes a logged value, or holds over 100 params or a value over
+    6,000 characters: every task of the shipped fedavg pipeline (its inputs as the 2.17 conformance model
+    resolves them) must pass on the real server, the phase task after fedpipe has logged into its run."""
+    import random
+
+    import yaml
+    from kfp_backend import go_json, run_pipeline
+    from mlflow.entities import Metric, Param
+
+    from fedpipe.pipelines.builder import SHIPPED
+
+    spec = next(yaml.safe_load_all((SHIPPED / "fedavg.yaml").read_text()))
+    tasks = run_pipeline(spec, {}, "2.17.0", random.Random(0))
+    experiment = client.create_experiment("kfp-2-17-fedavg")
+    parent, task_runs = _kfp_2_17_task_runs(client, experiment, tasks)
+    _inject(monkeypatch, mlflow_uri, experiment, task_runs["train-phase"])
+    run = small_run(tmp_path, "run.seed=17")
+    run.run_all()  # the phase task's (and here the evaluate task's) work
+    last = client.get_run(task_runs["train-phase"]).data.metrics
+    kfp_metrics = {"train-phase": {k: last[k] for k in ("train_loss", "personalized_accuracy") if k in last}}
+    for name, task in tasks.items():
+        params = [Param(k, go_json(v)) for k, v in task.parameters.items()]
+        assert len(params) <= 100 and all(len(p.value) <= 6000 for p in params), name
+        metrics = [Metric(k, v, 0, 0) for k, v in kfp_metrics.get(name, {}).items()]  # mapToMetrics: no timestamp, step 0
+        client.log_batch(task_runs[name], metrics=metrics, params=params)  # refused on any conflict: the test fails
+        client.set_terminated(task_runs[name], "FINISHED")  # UpdateRun with the terminal status
+    phase = client.get_run(task_runs["train-phase"])
+    assert phase.data.params["method.name"] == "fedavg" and phase.data.params["phase"] == go_json(tasks["train-phase"].parameters["phase"])
+    assert phase.data.tags["fedpipe.run_id"] == run.layout.run_id and phase.data.tags["mlflow.parentRunId"] == parent
+    # the launcher's copy of the task's KFP metrics lands at step 0, before fedpipe's rounds 1 and 2
+    assert [m.step for m in client.get_metric_history(task_runs["train-phase"], "train_loss")] == [0, 1, 2]
+    assert len(client.search_runs([experiment])) == len(tasks) + 1  # fedpipe opened no run of its own
+
+
+def test_a_study_inside_a_kfp_2_17_task_nests_under_the_tasks_run_which_nests_under_the_pipelines(mlflow_uri, client, tmp_path,
+                                                                                                    monkeypatch):
+    """`fedpipe study run` as one task of a pipeline run under KFP 2.17's MLflow plugin: the study's parent run
+    nests under the task's run (itself under the pipeline's parent run), its trials and final runs under the
+    study's run, all in the pipeline's experiment; the task's run is left for the launcher to end."""
+    from fedpipe.study.config import load_study
+    from fedpipe.study.runner import run_study
+
+    experiment = client.create_experiment("kfp-2-17-study")
+    parent, task_runs = _kfp_2_17_task_runs(client, experiment, ["study"])
+    _inject(monkeypatch, mlflow_uri, experiment, task_runs["study"])
+    study, base = load_study(None, text=f"""
+study: {{name: in-kfp, store: {tmp_path}}}
+base: {{data: {{dataset: digits}}, partition: {{num_clients: 4}}, model: {{name: twonn}}, train: {{local_epochs: 1, batch_size: 20}}}}
+methods: [fedavg]
+budget: {{trials: 2, rounds: 2}}
+seeds: [0]
+workers: 1
+""")
+    run_study(study, base, progress=False)
+    runs = client.search_runs([experiment])
+    (study_run,) = [r for r in runs if r.data.tags.get("fedpipe.study") == "in-kfp"]
+    assert study_run.data.tags["mlflow.parentRunId"] == task_runs["study"]
+    assert client.get_run(task_runs["study"]).data.tags["mlflow.parentRunId"] == parent
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == study_run.info.run_id]
+    assert len(children) == 3 and all(r.info.experiment_id == experiment for r in children)  # 2 trials, 1 final run
+    assert client.get_run(task_runs["study"]).info.status == "RUNNING"  # the launcher ends it, not fedpipe
+    assert len(runs) == 1 + 1 + 1 + 3  # the pipeline's, the task's, the study's, its runs: nothing else

@@ -33,6 +33,7 @@ JobTimeoutOpt = Annotated[Optional[int], typer.Option("--job-timeout", min=1, he
 SigningSecretOpt = Annotated[Optional[str], typer.Option(help="Secret holding the artifact signing key under the key 'key': every task gets it as FEDPIPE_SIGNING_KEY and signs everything it writes (default: none, unsigned; the chart's signing.*).")]
 KfpVersionOpt = Annotated[Optional[str], typer.Option("--kfp-version", help="The Kubeflow Pipelines backend the pipeline is compiled for (register, submit, schedule: the server's own; compile: 2.5.0, the floor, whose pipeline runs on every supported backend). From 2.16.0 (Kubeflow 26.03) every task also gets a securityContext: user 1000, non-root; older API servers refuse or drop such a task config.")]
 JobApiOpt = Annotated[Optional[str], typer.Option("--job-api", help="With --distributed-phase: pytorchjob (Kubeflow Training Operator v1, default) or trainjob (Kubeflow Trainer v2.1+, Kubeflow 1.11+: a TrainJob on a ClusterTrainingRuntime).")]
+KueueQueueOpt = Annotated[Optional[str], typer.Option("--kueue-queue", help="Kueue's LocalQueue (in the namespace the runs go to) that the GPU work waits in: each training task's pod carries the label kueue.x-k8s.io/queue-name (Kueue's `pod` integration must be on), a --distributed-phase's PyTorchJob or TrainJob carries it on the job (Kueue's kubeflow.org/pytorchjob or trainer.kubeflow.org/trainjob integration). CPU steps are never queued. Default: no queue.")]
 TrainerRuntimeOpt = Annotated[Optional[str], typer.Option("--trainer-runtime", help="With --job-api trainjob: the ClusterTrainingRuntime the TrainJob runs on (default torch-distributed, which Trainer ships).")]
 
 
@@ -44,7 +45,7 @@ DEPLOY_OPTIONS = {
     "store": StoreOpt, "s3_endpoint": S3EndpointOpt, "s3_secret": S3SecretOpt, "pushgateway": PushgatewayOpt,
     "distributed_phase": DistributedPhaseOpt, "nodes": NodesOpt, "processes_per_node": ProcessesOpt,
     "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt, "job_api": JobApiOpt, "kfp_version": KfpVersionOpt, "signing_secret": SigningSecretOpt,
-    "trainer_runtime": TrainerRuntimeOpt,
+    "trainer_runtime": TrainerRuntimeOpt, "kueue_queue": KueueQueueOpt,
 }
 DEPLOY_FLAGS = tuple(DEPLOY_OPTIONS)
 
@@ -96,7 +97,7 @@ def _options(deploy: dict, distributed: tuple = ()):
         if deploy.get(name) is not None:
             resources[name] = str(deploy[name])
     chosen = {key: deploy.get(key) for key in ("image_repository", "image_tag", "training_image_tag", "store", "s3_endpoint",
-                                                "s3_secret", "pushgateway", "kfp_version", "signing_secret")}
+                                                "s3_secret", "pushgateway", "kfp_version", "signing_secret", "kueue_queue")}
     return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
 
 

@@ -111,7 +111,7 @@ def study_katib(config: StudyOpt, namespace: Annotated[str, typer.Option(help="T
                             pushgateway=options.pushgateway, signing_secret=options.signing_secret)
     docs = katib_manifests(text, study.study.name, {e.name: e.search_space() for e in study.methods}, namespace=namespace,
                            image=options.image, max_trials=study.budget.trials, parallel_trials=parallel, seed=study.seeds[0],
-                           objective_metric=study.objective, algorithm=algorithm, storage=storage)
+                           objective_metric=study.objective, algorithm=algorithm, storage=storage, queue=options.kueue_queue)
     typer.echo(yaml.safe_dump_all(docs, sort_keys=False))
 
 

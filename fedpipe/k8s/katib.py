@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from itertools import product
 
 from fedpipe.errors import ConfigError
-from fedpipe.k8s.phasejob import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, StorageAccess, env
+from fedpipe.k8s.phasejob import CONTAINER_SECURITY_CONTEXT, KUEUE_QUEUE_LABEL, POD_SECURITY_CONTEXT, StorageAccess, env
 from fedpipe.search_space import Choice, Dimension, IntRange, LogUniform, Uniform
 
 __all__ = [
@@ -192,8 +192,10 @@ def _trial_job(
     storage: StorageAccess | None,
     resources: dict | None,
     timeout_seconds: int | None,
+    queue: str = "",
 ) -> dict:
-    """The trial's batch/v1 Job (no name: Katib names it after the trial), with Katib's placeholders."""
+    """The trial's batch/v1 Job (no name: Katib names it after the trial), with Katib's placeholders; with
+    `queue`, Kueue's queue label on the Job (Kueue's batch/job integration, on by default, admits it)."""
     params = [arg for path in space for arg in ("--param", f"{path}=${{trialParameters.{trial_parameter_name(path)}}}")]
     container = {
         "name": CONTAINER, "image": image, "imagePullPolicy": "IfNotPresent",
@@ -220,7 +222,10 @@ def _trial_job(
         "spec": pod_spec}}  # fmt: skip
     if timeout_seconds:
         spec["activeDeadlineSeconds"] = timeout_seconds
-    return {"apiVersion": "batch/v1", "kind": "Job", "spec": spec}
+    job = {"apiVersion": "batch/v1", "kind": "Job", "spec": spec}
+    if queue:
+        job["metadata"] = {"labels": {KUEUE_QUEUE_LABEL: queue}}
+    return job
 
 
 def _parameters(space: Mapping[str, Dimension], grid_points: int | None, max_trials: int) -> list[dict]:
@@ -257,18 +262,19 @@ def katib_experiment(
     objective_metric: str = OBJECTIVE_METRIC, additional_metrics: Sequence[str] = ADDITIONAL_METRICS,
     goal: float | None = None, max_trials: int, parallel_trials: int, max_failed_trials: int | None = None,
     algorithm: str = "tpe", seed: int, study_configmap: str, storage: StorageAccess | None = None,
-    resources: dict | None = None, grid_points: int = 3, trial_timeout_seconds: int | None = None,
+    resources: dict | None = None, grid_points: int = 3, trial_timeout_seconds: int | None = None, queue: str = "",
 ) -> dict:  # fmt: skip
     """The Katib Experiment that tunes `method` over `space` ({config path: Dimension}), maximizing
     `objective_metric` on validation. `storage`: the store endpoint and credentials Secret the trial
     pods get, as the PyTorchJob's pods do (FEDPIPE_S3_ENDPOINT, AWS_* by secretKeyRef); `resources`: the
     trial container's ResourceRequirements (default 1-4 CPUs, 2-16Gi); `max_failed_trials` defaults to
     `parallel_trials` (a whole wave failing means a broken setup); `grid_points`: values per numeric
-    dimension with algorithm="grid"; `trial_timeout_seconds`: the trial Job's activeDeadlineSeconds."""
+    dimension with algorithm="grid"; `trial_timeout_seconds`: the trial Job's activeDeadlineSeconds; `queue`:
+    Kueue's LocalQueue the trial Jobs wait in (empty: none)."""
     extra = [m for m in additional_metrics if m != objective_metric]
     _check_settings(space, [objective_metric, *extra], algorithm, seed, max_trials, parallel_trials)
     job = _trial_job(method, space, study_name=study_name, image=image, study_configmap=study_configmap,
-                     storage=storage, resources=resources, timeout_seconds=trial_timeout_seconds)  # fmt: skip
+                     storage=storage, resources=resources, timeout_seconds=trial_timeout_seconds, queue=queue)  # fmt: skip
     spec = {
         "objective": _objective(objective_metric, extra, goal),
         "algorithm": {"algorithmName": algorithm,

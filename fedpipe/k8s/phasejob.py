@@ -33,6 +33,14 @@ CONFIG_ANNOTATION = "fedpipe.io/run-config"
 RUN_ID_ANNOTATION = "fedpipe.io/run-id"
 PHASE_LABEL = "fedpipe.io/phase"
 RUN_LABEL = "fedpipe.io/run"
+# Kueue's queue label (sigs.k8s.io/kueue pkg/controller/constants/constants.go QueueLabel, v0.19.2): on a job object
+# of an integration Kueue manages (pkg/controller/jobs/: batch/job, trainer.kubeflow.org/trainjob, kubeflow.org/
+# pytorchjob, pod, ...) it names the LocalQueue of the job's namespace; Kueue's webhook suspends the job (a pod:
+# a scheduling gate) until its ClusterQueue admits it. The label goes on the job only: its pods belong to it.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# A LocalQueue name as Kueue's webhook checks the label (jobframework/validation.go ValidateQueueName: a DNS-1123
+# subdomain) that fits a label value (at most 63 characters); empty: no queue.
+QUEUE_NAME = re.compile(r"((?=.{1,63}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?")
 COMPONENT = "distributed-phase"  # app.kubernetes.io/component of the job and its pods (the NetworkPolicy selects it)
 
 APIS = ("pytorchjob", "trainjob")
@@ -101,6 +109,11 @@ class PhaseJob:
     runtime: str = TRAINER_RUNTIME
     """TrainJob only: the ClusterTrainingRuntime it runs on; a torch one, whose trainer job and container
     are named `node` (Trainer's torch-distributed, or a platform team's hardened copy of it)."""
+    queue: str = ""
+    """Kueue's LocalQueue the job waits in (label KUEUE_QUEUE_LABEL on the job); empty: not queued. Needs
+    the kind's Kueue integration: trainer.kubeflow.org/trainjob is on in Kueue's default configuration,
+    kubeflow.org/pytorchjob must be turned on (controller_manager_config.yaml integrations.frameworks).
+    Time spent queued counts against timeout_seconds."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -115,6 +128,7 @@ class PhaseJob:
             (1 <= self.master_port <= 65535, f"master_port must be a TCP port, not {self.master_port}"),
             (self.api in APIS, f"api must be one of {', '.join(APIS)}, not {self.api!r}"),
             (bool(re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", self.runtime)), f"runtime must name a ClusterTrainingRuntime, not {self.runtime!r}"),
+            (bool(QUEUE_NAME.fullmatch(self.queue)), f"queue must name a Kueue LocalQueue (lower-case letters, digits, '-' and '.', at most 63), not {self.queue!r}"),
         ]
         errors = [message for ok, message in checks if not ok] + self._trainjob_limits()
         if errors:
@@ -221,10 +235,10 @@ def labels(run_id: str, phase: str) -> dict[str, str]:
     }
 
 
-def job_metadata(run_id: str, phase: str, namespace: str, name: str) -> dict:
-    """The job object's own metadata: its labels, and the run and phase it belongs to (a retried
-    launcher adopts a job only when the run id agrees)."""
-    return {"name": name, "namespace": namespace, "labels": labels(run_id, phase),
+def job_metadata(run_id: str, phase: str, namespace: str, name: str, queue: str = "") -> dict:
+    """The job object's own metadata: its labels (and Kueue's queue label when `queue` is set), and the run
+    and phase it belongs to (a retried launcher adopts a job only when the run id agrees)."""
+    return {"name": name, "namespace": namespace, "labels": {**labels(run_id, phase), **({KUEUE_QUEUE_LABEL: queue} if queue else {})},
             "annotations": {RUN_ID_ANNOTATION: run_id, PHASE_LABEL: phase}}
 
 

@@ -92,7 +92,7 @@ def phase_job_manifest(*, run_id: str, phase: str, config_yaml: str, namespace: 
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": KIND,
         # ≤ 49 characters: the operator's pod and Service names add `-worker-<index>` and stay within 63.
-        "metadata": job_metadata(run_id, phase, namespace, phase_job_name(run_id, phase)),
+        "metadata": job_metadata(run_id, phase, namespace, phase_job_name(run_id, phase), job.queue),
         "spec": {
             "nprocPerNode": str(job.processes_per_node),
             "pytorchReplicaSpecs": replicas,

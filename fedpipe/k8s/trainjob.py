@@ -72,7 +72,7 @@ def train_job_manifest(*, run_id: str, phase: str, config_yaml: str, namespace: 
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": KIND,
-        "metadata": phasejob.job_metadata(run_id, phase, namespace, train_job_name(run_id, phase, job)),
+        "metadata": phasejob.job_metadata(run_id, phase, namespace, train_job_name(run_id, phase, job), job.queue),
         "spec": {
             "runtimeRef": {"name": job.runtime, "apiGroup": API_GROUP, "kind": RUNTIME_KIND},
             "trainer": {

@@ -196,6 +196,10 @@ class LineKeys:
     def entry(self, seq: int) -> str:
         return f"{self.history}{seq:06d}.json"
 
+    def hub(self, n: int) -> str:
+        """Version n's Kubeflow Hub registration status (fedpipe.models.hub)."""
+        return f"{self.folder}hub/{n}.json"
+
     def numbers(self, keys: list[str], leaf: str) -> list[int]:
         """The version numbers n of the keys `versions/<n>/<leaf>` among `keys`, ascending."""
         pattern = re.compile(re.escape(self.versions) + r"([1-9][0-9]{0,8})/" + re.escape(leaf))

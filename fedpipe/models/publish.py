@@ -12,7 +12,10 @@
    the step): `fedpipe_model_promoted{line,version}` (1 promoted, 0 not), `fedpipe_model_candidate_metric`
    and `fedpipe_model_champion_metric{line,version,metric}`, `fedpipe_model_promoted_version{line}`, one
    Pushgateway group per line (job `fedpipe-models`), replaced by each publication;
-5. the run's report gets a "Model line" page, `report/model_line.md`: the line's versions with their
+5. with `registry.kubeflow_hub.url` set, every promoted version not yet in Kubeflow Hub is registered there
+   (`fedpipe.models.hub`: RegisteredModel / ModelVersion / ModelArtifact); a failure is said and kept
+   beside the line for the next publication to retry, and never undoes the promotion;
+6. the run's report gets a "Model line" page, `report/model_line.md`: the line's versions with their
    accuracy, data snapshot and decision, and the promotions.
 
 A step retried after it registered the version (the same run id) registers nothing again: it finishes what
@@ -33,6 +36,7 @@ from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.models.drop_check import EVALUATION_FILE
 from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export_run
 from fedpipe.models.gate import decide, settings_of
+from fedpipe.models.hub import sync_promoted
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
@@ -72,6 +76,10 @@ def publish(run: Run) -> dict:
             log.info("Model line %r: registered run %s as version %d.", line.name, run.layout.run_id, record.version)
         finish_promotion(line, record)
         result = outcome(line, record)
+        # after the promotion, never before: a registry that fails costs a warning and a retry, not the promotion
+        hub = sync_promoted(line, registry.kubeflow_hub)
+        if registry.kubeflow_hub.url:
+            result["kubeflow_hub"] = hub
         if reused:
             result["reused"] = True
             result["note"] = reuse_note(line, record, settings_of(registry))

@@ -44,6 +44,7 @@ from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
 from fedpipe.telemetry.jsonl import JsonlSink
 from fedpipe.telemetry.progress import ProgressSink
+from fedpipe.telemetry.trainer_status import TrainerStatusSink
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,10 @@ class Run:  # size: a run's three steps and the building blocks they share (data
             from fedpipe.telemetry.prometheus import PrometheusSink
 
             sinks.append(PrometheusSink(url))
-        return sinks + mlflow_sinks(self)  # MLflow's: none unless telemetry.mlflow or MLFLOW_TRACKING_URI is set
+        # MLflow's: none unless telemetry.mlflow or MLFLOW_TRACKING_URI is set; Kubeflow Trainer's (a TrainJob's
+        # status.trainerStatus): none unless Trainer injected its status server (feature gate TrainJobStatus on)
+        trainer = TrainerStatusSink.from_env()
+        return sinks + mlflow_sinks(self) + ([trainer] if trainer is not None else [])
 
     # --- step 3: evaluate -------------------------------------------------------------------------
     def evaluate(self) -> dict:

@@ -73,6 +73,7 @@ def test_pins_come_from_pyproject_only():
     extract = runs(stages()["requirements"])
     assert "['project']" in extract and "p['dependencies']" in extract and "grep -E '^torch(vision)?=='" in extract
     assert "p['optional-dependencies']['serve']" in extract  # the image is also the InferenceService's predictor
+    assert "p['optional-dependencies']['hub']" in extract  # the publish task registers in Kubeflow Hub
     # The dependency layer reads only the extracted list, so other edits of pyproject.toml keep it cached.
     final = stages()["final"]
     copies = [c for c in final if c.cmd == "COPY"]

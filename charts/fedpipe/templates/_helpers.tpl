@@ -161,6 +161,10 @@ app.kubernetes.io/part-of: fedpipe
 {{- with include "fedpipe.pushgatewayTarget" . }}
 {{- $args = append $args (printf "--pushgateway=%s" .) }}
 {{- end }}
+{{- with .Values.training.kueueQueue }}
+{{- /* Kueue's LocalQueue of the GPU work (the training tasks' pods, a distributed phase's job). */}}
+{{- $args = append $args (printf "--kueue-queue=%s" .) }}
+{{- end }}
 {{- if .Values.signing.enabled }}
 {{- /* The name of the signing-key Secret only; the tasks read the key from it as FEDPIPE_SIGNING_KEY. */}}
 {{- $args = append $args (printf "--signing-secret=%s" (include "fedpipe.signingSecretName" .)) }}
