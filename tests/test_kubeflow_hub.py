@@ -80,7 +80,7 @@ def test_each_promoted_version_is_registered_with_its_figures_and_snapshot(line,
     assert versions["2"]["author"] == "ml-platform" and versions["2"]["registeredModelId"] == model["id"]
     artifacts = {a["modelVersionId"]: a for a in registry.artifacts.values()}
     artifact = artifacts[versions["2"]["id"]]
-    assert artifact["uri"] == line.store.url(line.keys.version(2).rstrip("/")) and artifact["artifactType"] == "model-artifact"
+    assert artifact["uri"] == line.store.url(line.keys.version(2).rstrip("/")) + "/" and artifact["artifactType"] == "model-artifact"
     assert (artifact["modelFormatName"], artifact["modelFormatVersion"]) == ("fedpipe", "1")
     kept = json.loads(line.store.get_text(line.keys.hub(2)))
     assert kept["registered"] and kept["model_version_id"] == versions["2"]["id"] and kept["uri"] == artifact["uri"]
@@ -126,8 +126,8 @@ def test_a_version_held_with_another_uri_is_an_error_and_nothing_is_overwritten(
     first, second = hub.sync_promoted(line, cfg)
     assert not first["registered"] and "registry.kubeflow_hub.model" in first["error"] and "nothing was overwritten" in first["error"]
     assert second["registered"]  # its version 2 is no other line's
-    assert sorted(a["uri"] for a in registry.artifacts.values()) == [line.store.url(line.keys.version(2).rstrip("/")),
-                                                                     other.store.url(other.keys.version(1).rstrip("/"))]
+    assert sorted(a["uri"] for a in registry.artifacts.values()) == [line.store.url(line.keys.version(2).rstrip("/")) + "/",
+                                                                     other.store.url(other.keys.version(1).rstrip("/")) + "/"]
     # under a name of its own the line registers
     assert all(s["registered"] for s in hub.sync_promoted(line, KubeflowHubConfig(url=registry.url, model="digits-site-b")))
 

@@ -165,7 +165,9 @@ def _transient(exc: BaseException) -> bool:
 def register_version(line: ModelLine, record: VersionRecord, cfg: KubeflowHubConfig) -> dict:
     """Register one version, with up to ATTEMPTS tries on a transient failure; never raises for what the
     registry says: returns the status that is kept beside the line (registered or not, and why)."""
-    name, uri = model_name(line, cfg), line.store.url(line.keys.version(record.version).rstrip("/"))
+    # the folder, ending in "/": KServe's storage initializer (v0.18.0 kserve_storage._download_s3) lists
+    # objects by this prefix, so without the slash version 1 would also download versions 10-19
+    name, uri = model_name(line, cfg), line.store.url(line.keys.version(record.version).rstrip("/")) + "/"
     status = {"registered": False, "url": cfg.url, "model": name, "version": str(record.version), "uri": uri,
               "storage_uri": f"model-registry://{name}/{record.version}",  # what an InferenceService names once registered
               "at": datetime.now(UTC).isoformat(timespec="seconds")}
