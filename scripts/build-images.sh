@@ -165,7 +165,7 @@ for py in .venv/bin/python python3.11 python3; do
 done
 if [ "$TORCH" = cuda ] && [ -n "$HOSTPY" ]; then
   reqs=$STATE/requirements.txt
-  "$HOSTPY" -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], sep='\n')" > "$reqs"
+  "$HOSTPY" -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], *p['optional-dependencies']['hub'], sep='\n')" > "$reqs"  # as images/Dockerfile's requirements stage
   printf 'setuptools>=68\nwheel\n' >> "$reqs"   # fedpipe's own build requirements (pyproject.toml [build-system])
   if ! cmp -s "$reqs" "$WHEELS/.requirements.done"; then
     t0=$(date +%s)
