@@ -34,9 +34,11 @@ def _bytes(t: torch.Tensor) -> int:
 def client_bytes(algorithm: Algorithm, ctx: ClientContext, slots: Slots, stages: list[Stage], batch_size: int,
                  generator: torch.Generator) -> int:
     """Bytes one more client adds to a batched chunk (before `SAFETY`)."""
+    weights = sum(_bytes(t) for tensors in slots.values() for t in tensors.values())
+    if not stages:  # a client that trains nothing this round (IFCA's stage-less rounds): its slots only
+        return weights
     stage = stages[0]
     trained = {name for s in stages for name in s.trainable}
-    weights = sum(_bytes(t) for tensors in slots.values() for t in tensors.values())
     optimizer = 2 * sum(_bytes(t) for name in trained for t in slots[name].values())  # gradient + momentum buffer
     steps = stage_steps(algorithm, ctx, stage, batch_size, generator)
     if not steps:  # no training samples: nothing is stepped
