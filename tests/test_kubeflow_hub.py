@@ -117,6 +117,17 @@ def test_an_unreachable_registry_costs_a_warning_not_the_promotion(line, monkeyp
     assert status["registered"] is False and status["attempts"] == hub.ATTEMPTS and line.promoted() == 2
 
 
+def test_the_installed_client_speaks_the_api_of_the_registry_kubeflow_ships(line, registry):
+    """The client's API root is the v0.3.7 document's (PyPI's model-registry 0.3.16+ call /api/model_registry/v1,
+    which a v0.3.x registry answers with 404): a client that drifted fails here, and says so in plain words."""
+    import model_registry
+
+    assert model_registry.__version__ == "0.3.7"
+    (status, *_) = hub.sync_promoted(line, KubeflowHubConfig(url=registry.url + "/not-the-api"))
+    assert status["registered"] is False and "does not serve the API path" in status["error"]
+    assert status["attempts"] == 1  # a 404 is a refusal, not worth retrying
+
+
 def test_a_version_held_with_another_uri_is_an_error_and_nothing_is_overwritten(line, registry, tmp_path):
     other = ModelLine(open_store(str(tmp_path / "other-store")), "digits")
     other.register(_record("run-x", 0.9), {})

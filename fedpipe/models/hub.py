@@ -162,6 +162,16 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.startswith("aiohttp")
 
 
+def _api_hint(exc: BaseException) -> str:
+    """What a 404 on the registry's API root means: the client and the server speak different API versions."""
+    if getattr(exc, "status", None) != 404 or "/api/model_registry/" not in str(exc):
+        return ""
+    from importlib.metadata import version
+    return (f" (the registry does not serve the API path the installed model-registry client "
+            f"{version('model-registry')} calls: fedpipe pins the client of the v0.3.x registries Kubeflow ships; "
+            f"check that registry.kubeflow_hub.url names the registry's REST service, port 8080)")
+
+
 def register_version(line: ModelLine, record: VersionRecord, cfg: KubeflowHubConfig) -> dict:
     """Register one version, with up to ATTEMPTS tries on a transient failure; never raises for what the
     registry says: returns the status that is kept beside the line (registered or not, and why)."""
@@ -183,7 +193,7 @@ def register_version(line: ModelLine, record: VersionRecord, cfg: KubeflowHubCon
             status["error"] = str(e)
             break
         except Exception as e:  # noqa: BLE001 (the client's errors: aiohttp, ApiException, StoreError, ValueError)
-            status["error"] = f"{type(e).__name__}: {str(e)[:MAX_TEXT]}"
+            status["error"] = f"{type(e).__name__}: {str(e)[:MAX_TEXT]}" + _api_hint(e)
             if not _transient(e) or attempt == ATTEMPTS:
                 break
             time.sleep(BACKOFF_S * attempt)
