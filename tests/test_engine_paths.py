@@ -99,3 +99,19 @@ def test_chunk_auto_is_sized_from_a_probe_recorded_and_reused(tmp_path, monkeypa
     assert again.chunk == 1  # reused, not sized again
     from fedpipe.engine.chunking import auto_chunk
     assert auto_chunk(10 << 20, 1 << 30, 1000) == 68 and auto_chunk(10 << 20, 1 << 30, 20) == 20 and auto_chunk(1 << 40, 1, 5) == 1
+
+
+def test_amp_auto_keeps_a_method_that_opts_out_in_fp32(monkeypatch):
+    """On a GPU with bf16 tensor cores auto is bf16, except for a method whose `bf16_refusal` says why not;
+    an explicit choice is the user's."""
+    from fedpipe.engine.choice import amp_mode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cuda = torch.device("cuda", 0)
+    assert amp_mode("auto", cuda) == "bf16"
+    assert amp_mode("auto", cuda, "its inner solver stalls") == "off"
+    assert amp_mode("bf16", cuda, "its inner solver stalls") == "bf16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))  # a T4: no bf16 tensor cores
+    assert amp_mode("auto", cuda) == "off"

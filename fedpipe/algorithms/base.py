@@ -143,6 +143,9 @@ class Algorithm(ABC):
     privacy_refusal: ClassVar[str | None] = None
     #: What privacy leaves visible even when it covers the method (said by `fedpipe methods` and the run's log)
     privacy_caveat: ClassVar[str | None] = None
+    #: Why bf16 autocast would change what the method computes beyond rounding noise, or None where it is safe:
+    #: `engine.amp=auto` then stays fp32 for it (an explicit `engine.amp=bf16` is honoured, with a warning)
+    bf16_refusal: ClassVar[str | None] = None
 
     def __init__(self, params: MethodParams, model: nn.Module, seed: int):
         self.params = params

@@ -13,7 +13,8 @@ def methods():
     """List the methods, their phases, the papers their update rules come from, every default that
     departs from its paper or fills a gap the paper leaves (a method's `departures`; docs/faithfulness.md
     has the equations and the reasons), and each method's private surface: what a client uploads, and
-    whether differential privacy (privacy.enabled) covers it or refuses the method, and why."""
+    whether differential privacy (privacy.enabled) covers it or refuses the method, and why; and whether
+    engine.amp=auto trains it in bf16 on a GPU (a method whose results bf16 would change opts out)."""
     from fedpipe.algorithms import ALGORITHMS, phases_of
 
     for name, cls in ALGORITHMS.items():
@@ -34,6 +35,7 @@ def methods():
         else:
             typer.echo("    privacy: covered (the upload is clipped and noised; what stays on the client needs no noise)"
                        + (f"; {cls.privacy_caveat}" if cls.privacy_caveat else ""))
+        typer.echo(f"    bf16 (engine.amp=auto on a GPU): {f'off, {cls.bf16_refusal}' if cls.bf16_refusal else 'on'}")
 
 
 @app.command()

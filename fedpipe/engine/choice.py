@@ -108,12 +108,15 @@ def clients_mode(requested: str, device_type: str) -> str:
     return "batched" if device_type == "cuda" else "sequential"
 
 
-def amp_mode(requested: str, device: torch.device) -> str:
+def amp_mode(requested: str, device: torch.device, refusal: str | None = None) -> str:
     """engine.amp resolved: `auto` is bf16 on a GPU with bf16 tensor cores (compute capability 8.0 and
     up: A100, H100, L4, RTX 30xx+), where it runs the forward at up to twice the speed with fp32
-    master weights; off elsewhere (on a CPU bf16 autocast is slower than fp32 unless it has AMX)."""
+    master weights; off elsewhere (on a CPU bf16 autocast is slower than fp32 unless it has AMX), and
+    off for a method that opts out (`refusal`: its `Algorithm.bf16_refusal`)."""
     if requested != "auto":
         return requested
+    if refusal:
+        return "off"
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         if torch.cuda.get_device_capability(index)[0] >= 8 and torch.cuda.is_bf16_supported():

@@ -89,7 +89,7 @@ class ClientTrainer:
         self.mode = clients_mode(engine.clients, self.device.type)
         convolutional = any(isinstance(m, nn.Conv2d) for m in algorithm.model.modules())
         self.channels_last = engine.channels_last == "on" or (engine.channels_last == "auto" and convolutional)
-        self.amp = amp_mode(engine.amp, self.device) == "bf16"  # a phase under torchrun resolves auto here
+        self.amp = amp_mode(engine.amp, self.device, algorithm.bf16_refusal) == "bf16"  # a phase under torchrun resolves auto here
         self.failed_once = False  # only the first failing client's warning carries a traceback
         self.chunk = engine.chunk if engine.chunk != "auto" else None  # auto: sized at the first batched round
         self.on_chunk = on_chunk  # told the chunk `auto` chose (the run records it)

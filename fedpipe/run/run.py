@@ -124,7 +124,7 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         else:
             e = self.cfg.engine  # under torchrun: the world size is torchrun's, not a choice
             made = EngineChoice(clients_mode(e.clients, self.device.type), e.processes if isinstance(e.processes, int) else 1, None,
-                                "as configured", amp=amp_mode(e.amp, self.device))
+                                "as configured", amp=amp_mode(e.amp, self.device, self.bf16_refusal))
         self.store.put_text(key, json.dumps({**dataclasses.replace(made, chunk=chunk).to_json(), "chunk_why": why}, indent=2))
 
     def checkpoints(self, phase: str) -> Checkpoints:
@@ -134,6 +134,13 @@ class Run:  # size: a run's three steps and the building blocks they share (data
     def check_record(self, *, create: bool) -> None:
         """The run folder belongs to one configuration; refuse to mix another into it."""
         record.check_record(self.store, self.layout, self.cfg, create=create)
+
+    @property
+    def bf16_refusal(self) -> str | None:
+        """Why the method opts out of bf16 autocast (`Algorithm.bf16_refusal`), or None."""
+        from fedpipe.algorithms import ALGORITHMS
+
+        return ALGORITHMS[self.cfg.method.name].bf16_refusal
 
     def load_partition(self) -> Partition:
         return inputs.load_partition(self.store, self.layout, self.cfg, self.bundle)
@@ -416,14 +423,17 @@ def engine_choice(run: Run, phase_name: str) -> EngineChoice:
         return resolved
     if run.checkpoints(phase_name).has_final():  # nothing left to train: nothing to decide
         return EngineChoice(clients_mode(e.clients, run.device.type), 1, None, "the phase has finished", recorded=True,
-                            amp=amp_mode(e.amp, run.device))
+                            amp=amp_mode(e.amp, run.device, run.bf16_refusal))
     clients = run.load_partition().clients
     pool = [c for c in clients if not (phase.communicates and c.opt_out)]
     per_round = min(len(pool), max(1, round(run.cfg.train.client_fraction * len(clients)))) if phase.sample_clients else len(pool)
     mean_train = sum(len(c.train) for c in pool) / max(len(pool), 1)
     made = choose(clients=e.clients, processes=e.processes, threads=None, device_type=run.device.type, cores=usable_cores(),
                   clients_per_round=per_round, samples_per_round=round(per_round * mean_train * run.cfg.train.local_epochs))
-    made = dataclasses.replace(made, amp=amp_mode(e.amp, run.device))
+    made = dataclasses.replace(made, amp=amp_mode(e.amp, run.device, run.bf16_refusal))
+    if e.amp == "bf16" and run.bf16_refusal:
+        log.warning("engine.amp=bf16 for %s, which opts out of bf16 (%s): its results may differ from fp32 beyond rounding. "
+                    "engine.amp=auto keeps it in fp32.", run.cfg.method.name, run.bf16_refusal)
     log.info("Phase %s: %s (%s).", phase_name, _mode_words(made), made.why)
     return made  # recorded by train_phase once the phase's inputs have been read (bad input writes nothing)
 
