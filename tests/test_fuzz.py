@@ -1,6 +1,6 @@
 """Fuzzing (hypothesis) of the two parsers that read what users and other processes write: the run
 config (YAML text and `--set` overrides, through `load_config`) and the partition manifest
-(`partition/manifest.json`, through `Run.load_partition`). Whatever they are given, they return a
+(`partition/manifest.json`, through `fedpipe.run.inputs.load_partition`, what `Run.load_partition` reads with). Whatever they are given, they return a
 valid object or raise a FedpipeError (one clear paragraph); any other exception would reach the user
 as a traceback. A validation message names the field it is about."""
 
@@ -183,9 +183,12 @@ def _mutate(manifest, path, action, value):
 
 
 def _load(run, data: bytes):
+    """The manifest reader on `data` (the reader itself: `Run.load_partition` keeps the first manifest it read)."""
+    from fedpipe.run import inputs
+
     run.store.put(run.layout.partition_manifest, data)
     try:
-        run.load_partition()
+        inputs.load_partition(run.store, run.layout, run.cfg, run.bundle)
     except FedpipeError as e:
         assert str(e).strip()
         return str(e)

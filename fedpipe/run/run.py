@@ -79,6 +79,7 @@ class Run:  # size: a run's three steps and the building blocks they share (data
             torch.set_num_threads(cfg.run.threads)
         self._bundle = bundle  # the loaded dataset, when the caller holds it already (a study's warm worker): else loaded on first use
         self.unrecorded_choice: EngineChoice | None = None  # decided by `train`, written once the phase has read its inputs
+        self._partition: Partition | None = None  # the manifest, read and verified once (a run's manifest never changes)
 
     # --- building blocks --------------------------------------------------------------------------
     @property
@@ -143,10 +144,15 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         return ALGORITHMS[self.cfg.method.name].bf16_refusal
 
     def load_partition(self) -> Partition:
-        return inputs.load_partition(self.store, self.layout, self.cfg, self.bundle)
+        """The run's partition manifest, read, bounded and verified against the data on first use; later
+        calls (the engine choice, then each phase) reuse it: at 10,000 clients a read costs seconds."""
+        if self._partition is None:
+            self._partition = inputs.load_partition(self.store, self.layout, self.cfg, self.bundle)
+        return self._partition
 
     def fresh(self) -> None:
         """Delete what fedpipe wrote for this run, and only that (`delete_run`)."""
+        self._partition = None
         delete_run(self)
 
     def preflight(self) -> None:
