@@ -389,12 +389,25 @@ class PrivacyConfig(Section):
     accountant: Literal["rdp", "prv"] = "rdp"
     """Opacus's accountant: rdp (Renyi DP of the sampled Gaussian, Mironov et al. 2019) or prv (privacy loss
     random variables, Gopi et al. 2021: tighter)."""
+    adaptive_clip: bool = False
+    """Adapt clip every round towards the target_quantile of the clients' update norms (Andrew, Thakkar, McMahan
+    and Ramaswamy 2021, "Differentially private learning with adaptive clipping", Algorithm 1): clip is the
+    starting value. The count of clients within the clip is released with noise too, so the updates' own noise
+    multiplier rises to keep the round's privacy at noise_multiplier (their Theorem 1). Central mode only."""
+    target_quantile: float = Field(0.5, gt=0, lt=1)
+    """gamma: the fraction of updates that should be within the clip (0.5: the median norm, the paper's default)."""
+    clip_lr: float = Field(0.2, gt=0, le=10)
+    """eta_C: the step of the geometric update clip <- clip * exp(-eta_C * (b - gamma)), b the noised fraction of
+    clients within the clip (0.2: the paper's default)."""
+    clip_count_stddev: float | None = Field(None, gt=0, le=1e6)
+    """sigma_b: the std of the noise on the count of clients within the clip; None: the expected cohort / 20 (the
+    paper's choice, Sec. 4). Must exceed noise_multiplier / 2."""
     seeded_noise: bool = False
     """False: the noise and the Poisson sample come from the operating system's entropy (needed for the
     guarantee: anyone who knows run.seed could otherwise subtract the noise). True: from run.seed, so a rerun
     computes the same numbers (experiments and tests; no protection against whoever holds the config)."""
 
-    @field_validator("delta", "target_epsilon", mode="before")
+    @field_validator("delta", "target_epsilon", "clip_count_stddev", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         # a pipeline's text parameter leaves these "" for unset (pipelines/builder.py TEXT_PARAMETERS)

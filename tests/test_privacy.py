@@ -250,15 +250,74 @@ def test_privacy_plan_prints_the_calibrated_noise_and_the_schedule():
     assert bad.exit_code == 2
 
 
-@pytest.mark.parametrize("how", [["engine.clients=batched"], ["engine.processes=2", "run.threads=1"]])
-def test_batched_clients_and_two_processes_privatise_as_one_by_one(tmp_path, how):
+ADAPTIVE = ["privacy.adaptive_clip=true", "privacy.clip_count_stddev=1"]
+
+
+@pytest.mark.parametrize("how, extra", [(["engine.clients=batched"], []), (["engine.processes=2", "run.threads=1"], []),
+                                        (["engine.processes=2", "run.threads=1"], ADAPTIVE)])
+def test_batched_clients_and_two_processes_privatise_as_one_by_one(tmp_path, how, extra):
     """Clipping runs where the clients train (batched: the norms of a chunk's clients at once; over processes: on
     each rank, whose clipped updates are summed by the all-reduce, rank 0 adding the noise): the same model as
     one by one in one process, within float tolerance (batched training itself agrees only that far)."""
     base = ["method.name=fedavg", "train.rounds=2", "train.client_fraction=0.5", "privacy.enabled=true", "privacy.seeded_noise=true",
-            "privacy.noise_multiplier=0.5", "privacy.clip=0.3"]
+            "privacy.noise_multiplier=0.5", "privacy.clip=0.3", *extra]  # adaptive: the ranks clip with rank 0's clip
     one = train_all(small_run(tmp_path / "one", *base))
     other = train_all(small_run(tmp_path / "other", *base, *how))
-    assert other.privacy.history == one.privacy.history
+    assert other.privacy.history == one.privacy.history and other.privacy.clip == one.privacy.clip
     for k, v in one.server.global_params.items():
         assert torch.allclose(v, other.server.global_params[k], atol=1e-5, rtol=1e-4), k
+
+
+# --- adaptive clipping (Andrew et al. 2021) ---------------------------------------------------------------------
+
+
+def _adaptive(**kw) -> PrivacyConfig:
+    return PrivacyConfig(enabled=True, adaptive_clip=True, seeded_noise=True, **kw)
+
+
+def test_adaptive_clipping_noises_the_updates_by_theorem_1():
+    """sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2): by hand, sigma = 1 and sigma_b = 1 give 1 / sqrt(3/4);
+    without adaptive clipping the updates carry sigma itself; a count noise that leaves nothing is refused."""
+    p = Privacy(_adaptive(noise_multiplier=1.0, clip_count_stddev=1.0), 0, 0.5, 40)
+    assert p.update_sigma == pytest.approx(1 / math.sqrt(0.75)) and p.sigma == 1.0
+    assert Privacy(_adaptive(noise_multiplier=1.0), 0, 0.5, 40).count_std == pytest.approx(1.0)  # cohort 20 / 20
+    assert Privacy(PrivacyConfig(enabled=True, noise_multiplier=1.0), 0, 0.5, 40).update_sigma == 1.0
+    with pytest.raises(ValueError, match="clip_count_stddev"):
+        Privacy(_adaptive(noise_multiplier=3.0, clip_count_stddev=1.0), 0, 0.5, 40)
+
+
+def test_adaptive_clipping_moves_the_clip_to_the_target_quantile_of_the_norms():
+    """The geometric update, by hand for one round, then driven by norms of known quantiles: the clip settles at
+    the target quantile (Andrew et al. 2021, Algorithm 1), from far below and from far above."""
+    p = Privacy(_adaptive(noise_multiplier=0.0, clip=1.0, clip_lr=0.2, target_quantile=0.5), 0, 1.0, 4)
+    assert p.adapt([0.5, 0.9, 2.0, 3.0], 1) == pytest.approx(math.exp(-0.2 * (2 / 4 - 0.5)))  # 2 of 4 within: stays
+    assert p.adapt([0.5, 0.6, 0.7, 3.0], 2) == pytest.approx(math.exp(-0.2 * (3 / 4 - 0.5)))  # 3 of 4 within: shrinks
+    norms = torch.distributions.LogNormal(0.0, 0.5).sample((50,), ).tolist()  # reused every round: fixed quantiles
+    torch.manual_seed(0)
+    for start, quantile in ((0.01, 0.5), (100.0, 0.5), (1.0, 0.9)):
+        p = Privacy(_adaptive(noise_multiplier=1.0, clip=start, target_quantile=quantile, clip_count_stddev=2.5), 0, 1.0, 50)
+        for round_ in range(1, 301):
+            p.adapt(norms, round_)
+        within = sum(n <= p.clip for n in norms) / len(norms)
+        assert abs(within - quantile) <= 0.12, (start, quantile, p.clip, within)
+
+
+def test_an_adaptive_run_records_its_clip_every_round_and_resumes_with_it(tmp_path):
+    base = ["method.name=fedavg", "train.rounds=4", "train.client_fraction=0.5", "privacy.enabled=true", "privacy.seeded_noise=true",
+            "privacy.noise_multiplier=0.01", "privacy.clip=10", "privacy.adaptive_clip=true", "privacy.clip_count_stddev=1"]
+    run = small_run(tmp_path / "whole", *base)
+    whole = train_all(run)
+    rows = [json.loads(line) for line in run.store.get_text(run.layout.rounds("federation")).splitlines()]
+    clips = [r["extra"]["privacy_clip"] for r in rows]
+    assert clips[0] == 10 and clips[-1] < clips[0] and whole.privacy.clip < clips[-1]  # 10 clips nothing: it shrinks
+    assert run.evaluate()["privacy"]["adaptive_clip"]["final_clip"] == pytest.approx(whole.privacy.clip)
+    crashed = small_run(tmp_path / "crash", *base)
+    crashed.partition()
+    with pytest.raises(SystemExit):
+        crashed.train("federation", telemetry_sinks=[CrashAfterRound(2)])
+    resumed = train_all(small_run(tmp_path / "crash", *base))
+    assert resumed.privacy.clip == whole.privacy.clip and resumed.privacy.history == whole.privacy.history
+    for k, v in whole.server.global_params.items():
+        assert torch.equal(v, resumed.server.global_params[k])
+    with pytest.raises(ConfigError, match="central"):
+        load_config(None, [*base, "privacy.mode=local"])

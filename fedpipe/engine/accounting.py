@@ -102,6 +102,7 @@ class Ledger:
     delta: float
     history: History = field(default_factory=list)
     stopped_at: int | None = None  # the last round within target_epsilon, once a round would have exceeded it
+    clip: float | None = None  # privacy.adaptive_clip: the clip the next round uses (None: privacy.clip)
 
     def epsilon(self) -> float:
         return epsilon_of(self.kind, self.history, self.delta)
@@ -118,10 +119,15 @@ class Ledger:
         return int(sum(h[2] for h in self.history))
 
     def to_json(self) -> dict:
-        return {"accountant": self.kind, "delta": self.delta, "history": [list(h) for h in self.history], "stopped_at": self.stopped_at}
+        made = {"accountant": self.kind, "delta": self.delta, "history": [list(h) for h in self.history], "stopped_at": self.stopped_at}
+        return made if self.clip is None else {**made, "clip": self.clip}
 
     @classmethod
     def from_json(cls, d: dict) -> Ledger:
         history = [[float(s), float(q), int(n)] for s, q, n in d.get("history", [])]
         stopped = d.get("stopped_at")
-        return cls(str(d["accountant"]), float(d["delta"]), history, None if stopped is None else int(stopped))
+        clip = d.get("clip")
+        if clip is not None and not (math.isfinite(float(clip)) and float(clip) > 0):
+            raise ValueError(f"clip must be a positive number, not {str(clip)[:50]!r}")
+        return cls(str(d["accountant"]), float(d["delta"]), history, None if stopped is None else int(stopped),
+                   None if clip is None else float(clip))

@@ -138,7 +138,9 @@ class DistributedRound:
         return box[0]
 
     def _train(self, message) -> tuple[list[ClientOutcome], Params | None, float]:
-        round_, lr, works = message
+        round_, lr, works, clip = message
+        if clip is not None:  # privacy.adaptive_clip: this round's clip, decided by rank 0
+            self.trainer.privacy.clip = clip
         outcomes = self.trainer.train(works, round_, lr)
         if not self.reduce:
             return outcomes, None, 0.0
@@ -171,7 +173,8 @@ class DistributedRound:
         sizes = {w.client_id: len(self.trainer.by_id[w.client_id].train) for w in works}
         shares = assign(works, sizes, self.group.world)
         try:
-            mine = self._scatter([(round_, lr, share) for share in shares])
+            clip = self.trainer.privacy.clip if self.private else None
+            mine = self._scatter([(round_, lr, share, clip) for share in shares])
             outcomes, sums, total = self._train(mine)
             gathered: list = [None] * self.group.world
             dist.gather_object(outcomes, gathered, dst=0, group=self.group.objects)

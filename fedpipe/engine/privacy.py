@@ -18,6 +18,14 @@ models", Algorithm 1), per communicating round:
 
 A sample-weighted mean would let a client with many samples move the model further than C allows, so
 with privacy every client counts once.
+
+Adaptive clipping (`privacy.adaptive_clip`; Andrew, Thakkar, McMahan and Ramaswamy 2021, Algorithm 1): after
+each round the server releases the count of clients whose update norm was within C, with noise
+N(0, sigma_b^2), as the fraction b~ = (sum_k 1[||Delta_k|| <= C] + N(0, sigma_b^2)) / (q W), and moves
+C <- C * exp(-eta_C (b~ - gamma)) (the geometric update) towards the gamma-quantile of the norms. Two
+Gaussian releases per round then cost what one at noise multiplier sigma costs when the updates' own
+multiplier is sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2) (their Theorem 1; the count's sensitivity is
+1/2 after centring the bits), so the accountant keeps counting sigma and the updates carry sigma_Delta * C.
 """
 
 from __future__ import annotations
@@ -84,19 +92,46 @@ class Privacy:
     def __init__(self, cfg: PrivacyConfig, seed: int, q: float, eligible: int):
         self.cfg, self.seed, self.q, self.eligible = cfg, seed, q, eligible
         self.keys: list[str] | None = None  # the names uploaded in this phase (learnt from its first upload)
+        self.clip = cfg.clip  # C of the current round (moves with adaptive_clip; kept in the ledger for a resume)
+        self.count_std = cfg.clip_count_stddev if cfg.clip_count_stddev is not None else max(q * eligible, 1.0) / 20
+        if cfg.adaptive_clip and self.sigma > 0 and 2 * self.count_std <= self.sigma:
+            raise ValueError(f"privacy.clip_count_stddev ({self.count_std:g}) must exceed noise_multiplier / 2 "
+                             f"({self.sigma / 2:g}): raise it, or lower noise_multiplier (Andrew et al. 2021, Theorem 1)")
 
     @property
     def sigma(self) -> float:
+        """The round's noise multiplier as the accountant counts it."""
         return self.cfg.noise_multiplier
+
+    @property
+    def update_sigma(self) -> float:
+        """The noise multiplier on the updates' sum: sigma, or with adaptive clipping the larger sigma_Delta that
+        leaves room for the count's noise (Andrew et al. 2021, Theorem 1)."""
+        if not self.cfg.adaptive_clip or self.sigma == 0:
+            return self.sigma
+        return (self.sigma ** -2 - (2 * self.count_std) ** -2) ** -0.5
+
+    def adapt(self, norms: list[float], round_: int) -> float:
+        """The clip after a round whose clients' update norms (before clipping) were `norms`: the geometric update
+        of Andrew et al. 2021, Algorithm 1, on the noised fraction of clients within the clip. Returns the new C."""
+        if not self.cfg.adaptive_clip:
+            return self.clip
+        within = float(sum(n <= self.clip for n in norms))
+        if self.sigma > 0:  # no noise on the count either when the updates carry none (no guarantee to keep)
+            within += float(torch.normal(0.0, self.count_std, size=(1,), generator=_generator(self.cfg, self.seed, "dp-count", round_),
+                                         dtype=torch.float64))
+        fraction = within / max(self.q * self.eligible, 1e-12)
+        self.clip = self.clip * math.exp(-self.cfg.clip_lr * (fraction - self.cfg.target_quantile))
+        return self.clip
 
     def privatize(self, client_ids: list[int], uploads: list[Params], downloads: list[Params], round_: int) -> tuple[list[Params], list[float]]:
         """Each client's clipped update (upload minus download, float64), with its own noise in local mode;
         and the norms before clipping."""
         updates = [{k: up[k].to(torch.float64) - down[k].to(torch.float64) for k in up} for up, down in zip(uploads, downloads)]
-        clipped, norms = clip_updates(updates, self.cfg.clip, self.cfg.per_layer)
+        clipped, norms = clip_updates(updates, self.clip, self.cfg.per_layer)
         if self.cfg.mode == "local" and self.sigma > 0:
             for cid, update in zip(client_ids, clipped):
-                noise = gaussian_like(update, self.sigma * self.cfg.clip, _generator(self.cfg, self.seed, "dp-local", round_, cid))
+                noise = gaussian_like(update, self.sigma * self.clip, _generator(self.cfg, self.seed, "dp-local", round_, cid))
                 for k in update:
                     update[k] = update[k] + noise[k]
         return clipped, norms
@@ -116,7 +151,7 @@ class Privacy:
         self.keys = list(summed)
         total = dict(summed)
         if self.cfg.mode == "central" and self.sigma > 0:
-            noise = gaussian_like(total, self.sigma * self.cfg.clip, _generator(self.cfg, self.seed, "dp-central", round_))
+            noise = gaussian_like(total, self.update_sigma * self.clip, _generator(self.cfg, self.seed, "dp-central", round_))
             total = {k: v + noise[k] for k, v in total.items()}
         return {k: (global_params[k].to(torch.float64) + v.to(global_params[k].device) / denominator).to(global_params[k].dtype)
                 for k, v in total.items()}

@@ -100,6 +100,8 @@ def run_phase(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     within privacy.target_epsilon (`within_budget`); its final state is then that round's."""
     for cb in callbacks:
         cb.on_phase_start(phase, state)
+    if privacy is not None and state.privacy is not None and state.privacy.clip is not None:
+        privacy.clip = state.privacy.clip  # adaptive clipping resumes (or goes on to this phase) where it was
     for round_ in phase.rounds:
         if round_ <= state.round:
             continue  # finished before a restart
@@ -167,10 +169,12 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
         result.loss_sum += o.stats.loss * o.stats.samples
         result.samples += o.stats.samples
     reported = result.clients
+    norms: list[float] = []
     if private:
         norms = [o.update_norm for o in outcomes if o.update_norm is not None]
+        result.extra["privacy_clip"] = privacy.clip
         if norms:  # how the clip compares with the updates (to choose privacy.clip: near their median, Andrew et al. 2021)
-            result.extra["privacy_clipped_fraction"] = sum(n > privacy.cfg.clip for n in norms) / len(norms)
+            result.extra["privacy_clipped_fraction"] = sum(n > privacy.clip for n in norms) / len(norms)
             result.extra["privacy_update_norm_median"] = sorted(norms)[len(norms) // 2]
     if reported < min(train.min_clients, len(chosen)) or (chosen and reported == 0):
         raise TrainingError(
@@ -179,7 +183,7 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
             "Nothing of this round was kept; the phase resumes from its last checkpoint when rerun."
         )
     if private:
-        _aggregate_private(algorithm, privacy, data, state, uploads, averaged, round_, result)
+        _aggregate_private(algorithm, privacy, data, state, uploads, averaged, round_, result, norms)
     elif phase.communicates:
         if averaged is not None:
             state.server = algorithm.apply_average(state.server, averaged)
@@ -192,14 +196,17 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
 
 
 def _aggregate_private(algorithm: Algorithm, privacy: Privacy, data: FederatedData, state: PhaseState, uploads: list[Upload],
-                       summed: dict | None, round_: int, result: RoundResult) -> None:
+                       summed: dict | None, round_: int, result: RoundResult, norms: list[float]) -> None:
     """The private aggregate (`Privacy.aggregate`) of the round's clipped updates (`uploads`, or `summed`: the
-    sum the ranks of a distributed phase all-reduced), and the round spent in the accountant."""
+    sum the ranks of a distributed phase all-reduced), the round spent in the accountant, and with adaptive
+    clipping the next round's clip from the round's update norms (kept in the ledger)."""
     total = summed if summed is not None else sum_updates([u.tensors for u in uploads])
     new = privacy.aggregate(state.server.global_params, total, round_)
     if new:
         state.server = algorithm.apply_private(state.server, new)
     ledger = ledger_of(privacy, state, data)
     ledger.spend(privacy.sigma, privacy.q)
+    if privacy.cfg.adaptive_clip:
+        ledger.clip = privacy.adapt(norms, round_)
     result.extra["epsilon"] = ledger.epsilon()
     result.extra["privacy_delta"] = ledger.delta

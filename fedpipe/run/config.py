@@ -115,6 +115,9 @@ class RunConfig(Section):
         if self.train.select != "last":
             raise ValueError(f"train.select={self.train.select} picks a round by the clients' validation scores, which uses their "
                              "data outside the privacy accountant: with privacy.enabled use train.select=last")
+        if self.privacy.adaptive_clip and self.privacy.mode != "central":
+            raise ValueError("privacy.adaptive_clip needs privacy.mode=central: the server estimates the clip from the noised "
+                             "count of clients within it (Andrew et al. 2021), which local mode does not release")
         if self.privacy.on_target == "calibrate" and self.privacy.target_epsilon is None:
             raise ValueError("privacy.on_target=calibrate needs privacy.target_epsilon (the budget to calibrate "
                              "noise_multiplier to)")

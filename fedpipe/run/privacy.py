@@ -62,7 +62,10 @@ def phase_privacy(cfg: RunConfig, algorithm: Algorithm, phase: Phase, data: Fede
         raise ConfigError(f"No client can take part in phase {phase.name!r}: every client is opt-out. Lower partition.opt_out_fraction.")
     if algorithm.privacy_caveat:
         log.warning("privacy: %s: %s", algorithm.name, algorithm.privacy_caveat)
-    return Privacy(effective(cfg, data.num_clients), cfg.run.seed, sample_rate(cfg, phase), len(pool))
+    try:
+        return Privacy(effective(cfg, data.num_clients), cfg.run.seed, sample_rate(cfg, phase), len(pool))
+    except ValueError as e:
+        raise ConfigError(f"{e}.") from None
 
 
 def plan(cfg: RunConfig, num_clients: int, points: int = 10) -> dict:
@@ -109,5 +112,7 @@ def privacy_summary(cfg: RunConfig, state: PhaseState) -> dict:
     sigma = ledger.history[-1][0] if ledger.history else p.noise_multiplier
     return {"privacy": {"epsilon": ledger.epsilon(), "delta": ledger.delta, "private_rounds": ledger.rounds, "accountant": ledger.kind,
                         "mode": p.mode, "clip": p.clip, "per_layer": p.per_layer, "noise_multiplier": sigma,
+                        **({"adaptive_clip": {"target_quantile": p.target_quantile, "clip_lr": p.clip_lr, "final_clip": ledger.clip}}
+                           if p.adaptive_clip else {}),
                         "target_epsilon": p.target_epsilon, "stopped_after_round": ledger.stopped_at,
                         "sampling": "Poisson, rate train.client_fraction"}}
