@@ -7,10 +7,11 @@ Each (method, seed) runs twice, `engine.amp=off` and `engine.amp=bf16`, same see
 initialisation and sampling), through `benchmarks/accuracy.py`'s runner: a full fedpipe run in its own
 process. On a CPU bf16 is PyTorch's CPU autocast (slower than fp32, but the same arithmetic as on a GPU:
 bf16 matmuls and convolutions, fp32 master weights, optimizer state and aggregation). The table gives
-the personalized accuracy under each, the paired difference (bf16 - fp32) and a verdict: "within noise"
-when the mean difference is inside the fp32 spread over seeds (2 standard deviations of the paired
-differences' mean, or 1 point when that is smaller), else "bf16 worse" / "bf16 better". A method that is
-worse beyond noise is the evidence for its `Algorithm.bf16_refusal` (`fedpipe methods` lists them).
+the personalized accuracy under each, the paired difference (bf16 - fp32) and a verdict from a paired
+t-test over seeds (scipy): "within noise" (p >= 0.05), "under 1 point" (significant but smaller than one
+point), else "bf16 worse" / "bf16 better"; "fp32 anyway" where every seed gave the very same numbers (a
+method whose custom per-batch update runs outside autocast). A method worse beyond noise is the evidence
+for its `Algorithm.bf16_refusal` (`fedpipe methods` lists them).
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ AMPS = ("off", "bf16")
 
 
 def verdict(diffs: list[float]) -> str:
+    from scipy import stats
+
+    if all(d == 0 for d in diffs):
+        return "fp32 anyway"
     mean = float(np.mean(diffs))
-    noise = max(0.01, 2 * float(np.std(diffs, ddof=1)) / np.sqrt(len(diffs)) if len(diffs) > 1 else 0.01)
-    if abs(mean) <= noise:
+    if len(diffs) < 2 or np.std(diffs) == 0 or stats.ttest_1samp(diffs, 0.0).pvalue >= 0.05:
         return "within noise"
+    if abs(mean) < 0.01:
+        return "under 1 point"
     return "bf16 worse" if mean < 0 else "bf16 better"
 
 

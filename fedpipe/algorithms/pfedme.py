@@ -81,6 +81,7 @@ class PFedMe(Algorithm):
     Params = PFedMeParams
     paper = "Dinh et al. 2020, Algorithm 1"
     uploads = "its local model w_i (its personalized model theta_i stays on the client)"
+    bf16_refusal = "its per-batch update is its own code, outside the engine's autocast: it trains in fp32"
     departures = (
         "personal_lr=0.01 (p): PFLlib's default; the paper tunes p per dataset",
         "eta = train.lr 0.01 decayed by 0.999 per round (run-wide): the paper tunes eta per dataset",
