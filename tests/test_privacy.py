@@ -248,6 +248,13 @@ def test_privacy_plan_prints_the_calibrated_noise_and_the_schedule():
     assert last[0] == "30" and 3.9 < float(last[1]) <= 4.0
     bad = CliRunner().invoke(app, ["privacy", "plan", "--set", "partition.scheme=natural"])
     assert bad.exit_code == 2
+    # adaptive clipping: 20 expected clients a round, count noise 20/20 = 1, updates at (1 - 1/4)^-1/2 (Theorem 1)
+    adaptive = CliRunner().invoke(app, ["privacy", "plan", "--set", "train.client_fraction=0.2", "--set", "partition.num_clients=100",
+                                        "--set", "privacy.noise_multiplier=1", "--set", "privacy.adaptive_clip=true"])
+    assert adaptive.exit_code == 0 and "count noise std 1, so the updates carry noise multiplier 1.1547" in adaptive.output
+    refused = CliRunner().invoke(app, ["privacy", "plan", "--set", "partition.num_clients=100", "--set", "privacy.noise_multiplier=5",
+                                       "--set", "privacy.adaptive_clip=true", "--set", "privacy.clip_count_stddev=1"])
+    assert refused.exit_code == 2 and "clip_count_stddev" in refused.output
 
 
 ADAPTIVE = ["privacy.adaptive_clip=true", "privacy.clip_count_stddev=1"]

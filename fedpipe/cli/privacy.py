@@ -52,6 +52,16 @@ def plan(config: ConfigOpt = None, overrides: SetOpt = None, clients: ClientsOpt
                f"({', '.join(f'{r} at sample rate {q:g}' for q, r in p['rounds']) or 'none: the method never uploads'})")
     typer.echo(f"  noise multiplier  {p['noise_multiplier']:.4f} ({how})")
     typer.echo(f"  clip              {p['clip']:g} ({p['mode']} DP: noise std {p['noise_multiplier'] * p['clip']:.4g} on the sum)")
+    if cfg.privacy.adaptive_clip and p["rounds"]:
+        from fedpipe.engine.privacy import Privacy
+
+        q = p["rounds"][0][0]
+        try:
+            adaptive = Privacy(cfg.privacy.model_copy(update={"noise_multiplier": p["noise_multiplier"]}), 0, q, n)
+        except ValueError as e:
+            raise ConfigError(f"{e}.") from None
+        typer.echo(f"  adaptive clip     from {p['clip']:g} towards the {cfg.privacy.target_quantile:g} quantile of the update norms; "
+                   f"count noise std {adaptive.count_std:.4g}, so the updates carry noise multiplier {adaptive.update_sigma:.4f}")
     typer.echo(f"  delta             {p['delta']:.3g}" + ("" if cfg.privacy.delta is not None else f" (1/{n}^1.1)"))
     typer.echo(f"  accountant        {p['accountant']} (Opacus), Poisson sampling")
     typer.echo("  round  epsilon")
