@@ -30,6 +30,7 @@ import torch
 from pydantic import Field
 
 from fedpipe.algorithms.base import (
+    OWN_UPDATE_IN_FP32,
     Algorithm,
     ClientContext,
     MethodParams,
@@ -67,7 +68,7 @@ class APFL(Algorithm):
     Params = APFLParams
     paper = "Deng et al. 2020, Algorithm 1 and Eq. 10 (adaptive alpha)"
     uploads = "the global model (its local model and alpha stay on the client)"
-    bf16_refusal = "its per-batch update is its own code, outside the engine's autocast: it trains in fp32"
+    bf16_refusal = OWN_UPDATE_IN_FP32
     departures = (
         "alpha=0.5: where every client's adaptive alpha starts is fedpipe's choice (the paper's fixed-alpha runs use "
         "0.25, 0.5 and 0.75)",

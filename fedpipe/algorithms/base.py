@@ -128,6 +128,10 @@ class MethodParams(Section):
     search_space: ClassVar[dict[str, Dimension]] = {}
 
 
+#: The `bf16_refusal` of a method whose stage has its own per-batch `update` (the engine's autocast wraps only `loss`)
+OWN_UPDATE_IN_FP32 = "its per-batch update is its own code, outside the engine's autocast: it trains in fp32"
+
+
 class Algorithm(ABC):
     """A federated method. Subclasses set `name`, `Params`, `paper` and implement the abstract methods."""
 

@@ -35,6 +35,7 @@ from pydantic import Field
 
 from fedpipe.algorithms.aggregation import WEIGHTED_MEAN, Aggregation, custom, weighted_average
 from fedpipe.algorithms.base import (
+    OWN_UPDATE_IN_FP32,
     Algorithm,
     ClientContext,
     MethodParams,
@@ -81,7 +82,7 @@ class PFedMe(Algorithm):
     Params = PFedMeParams
     paper = "Dinh et al. 2020, Algorithm 1"
     uploads = "its local model w_i (its personalized model theta_i stays on the client)"
-    bf16_refusal = "its per-batch update is its own code, outside the engine's autocast: it trains in fp32"
+    bf16_refusal = OWN_UPDATE_IN_FP32
     departures = (
         "personal_lr=0.01 (p): PFLlib's default; the paper tunes p per dataset",
         "eta = train.lr 0.01 decayed by 0.999 per round (run-wide): the paper tunes eta per dataset",
