@@ -219,10 +219,25 @@ EOF
 fi
 
 # --- 7. push, drop the local tag, pull back ----------------------------------------------------------------
+# The push compresses every layer into a temporary file before it uploads it, the registry keeps the compressed
+# blobs and the fresh-node pull below unpacks the image once more: with less free than twice the image's size,
+# one of them fails half-way with "no space left on device" (seen in CI) and leaves gigabytes behind. Say so
+# before starting, and keep the push's temporary files in $STATE/tmp, removed whatever happens.
+image_bytes=$($PODMAN image inspect --format '{{.Size}}' "$LOCAL_REF")
+free_bytes=$(( $(df -Pk "$STATE" | awk 'NR==2 {print $4}') * 1024 ))
+if [ "$free_bytes" -lt $(( 2 * image_bytes )) ]; then
+  die "the push needs about $(( 2 * image_bytes / 1000000000 + 1 )) GB free on the disk of $REPO/$STATE, and only \
+$(( free_bytes / 1000000000 )) GB is. Free some: 'podman image prune -f' drops untagged images, 'podman system df' shows \
+what the images take, and old clones or virtual environments are often the rest."
+fi
+push_tmp=$REPO/$STATE/tmp
+rm -rf "$push_tmp" && mkdir -p "$push_tmp"
+trap 'rm -rf "$push_tmp"' EXIT
 t0=$(date +%s)
 say "pushing $REMOTE_REF..."
-$PODMAN push -q "$LOCAL_REF" "$REMOTE_REF" > "$STATE/push.log" 2>&1 \
+TMPDIR=$push_tmp $PODMAN push -q "$LOCAL_REF" "$REMOTE_REF" > "$STATE/push.log" 2>&1 \
   || { cat "$STATE/push.log" >&2; die "push to $REGISTRY failed"; }
+rm -rf "$push_tmp"
 say "pushed in $(since "$t0")"
 $PODMAN untag "$LOCAL_REF"
 $PODMAN image exists "$REMOTE_REF" && $PODMAN untag "$REMOTE_REF"
