@@ -123,6 +123,7 @@ def test_garbage_collection_keeps_what_kept_checkpoints_refer_to(tmp_path):
         state.round = round_
         ckpt.save_round(state, keep=2)
         history[round_] = dict(current)
+    ckpt.close()  # round 4's checkpoint was written in the background
     # rounds 3 and 4 are kept; each object is named by its client and the round that produced it
     names = {k.rsplit("/", 1)[1][:13] for k in store.list("run/phases/p/clients/")}
     assert names == {"c00000-r00003", "c00001-r00002", "c00001-r00004", "c00002-r00001", "c00003-r00001"}
@@ -149,6 +150,7 @@ def test_checkpoint_missing_a_spilled_state_is_skipped(tmp_path, caplog):
         state.clients[10 + round_] = state_of(10 + round_)
         state.round = round_
         ckpt.save_round(state, keep=2)
+    ckpt.close()
     newest = max(state.clients.referenced_keys(), key=lambda k: k.split("-r")[1])
     store.delete(newest)
     assert Checkpoints(store, PHASE).latest_good("cpu").round == 1

@@ -284,7 +284,9 @@ def test_gc_keeps_client_states_younger_than_the_newest_checkpoint_and_foreign_f
     foreign = phase.clients + "README.txt"
     for key in (younger, older, foreign):
         store.put(key, b"x")
-    Checkpoints(store, phase).save_round(_state(4), keep=2)
+    ckpt = Checkpoints(store, phase)
+    ckpt.save_round(_state(4), keep=2)
+    ckpt.close()  # the collection runs on the writer thread, after the checkpoint
     assert store.exists(younger) and store.exists(foreign)
     assert not store.exists(older)
 

@@ -113,3 +113,38 @@ def test_superfed_personalizes_the_lstm(tmp_path, method):
     a, b, c = state.clients.values()
     for n in lstm:
         assert not torch.allclose(a[n], b[n]) and not torch.allclose(b[n], c[n]) and not torch.allclose(a[n], c[n]), n
+
+
+def test_the_candidates_evaluated_together_score_as_each_on_its_own(monkeypatch):
+    """The evaluation's fast path: the lam grid made at once (rows of one tensor per layer, read in place),
+    the forward mapped over the candidates, clients in blocks; the same scores as mixing and running each
+    candidate alone, with the same pick."""
+    import fedpipe.engine.evaluation as ev
+    from fedpipe.data.federated import ClientData, FederatedData, Split
+
+    algo, g = make()
+    locals_ = {cid: algo.init_local(g, cid) for cid in (0, 2)}  # client 1 never reached Phase II
+    for cid, local in locals_.items():
+        cands = algo.personalized_candidates(ServerState(g), local, cid)
+        assert all(torch.equal(cands[-1][1][n], local[n]) for n in local)  # lam = 1: w_l exactly
+        for lam, params in cands:
+            assert all(torch.allclose(params[n], algo.mix(g, local, lam)[n], rtol=0, atol=1e-6) for n in g)
+        stacked = ev._stacked([p[algo.mixed[0]] for _, p in cands])
+        assert stacked.data_ptr() == cands[0][1][algo.mixed[0]].data_ptr()  # no copy
+    gen = torch.Generator().manual_seed(0)
+
+    def split(n):
+        return Split(torch.randn(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+
+    data = FederatedData(tuple(ClientData(c, split(8), split(6), split(7), False) for c in range(3)), split(5), 10, (1, 28, 28))
+    fast = ev.evaluate_personalized(algo, ServerState(g), locals_, data, 4, 5)
+    monkeypatch.setattr(ev, "EVAL_BLOCK_BYTES", 1)  # a block per client
+    monkeypatch.setattr(algo, "vmap_eval", False)  # one candidate at a time
+    monkeypatch.setattr(algo, "personalized_candidates",  # and mixed one by one
+                        lambda server, state, cid: [(lam, g if state is None else algo.mix(g, state, lam)) for lam in algo.lam_grid()])
+    slow = ev.evaluate_personalized(algo, ServerState(g), locals_, data, 4, 5)
+    for a, b in zip(fast.clients, slow.clients):
+        assert (a.chosen, a.oracle) == (b.chosen, b.oracle)
+        for sa, sb in zip(a.val + a.test, b.val + b.test):
+            assert sa.accuracy == sb.accuracy and sa.top5 == sb.top5 and sa.n == sb.n
+            assert sa.loss == pytest.approx(sb.loss, abs=1e-5) and sa.ece == pytest.approx(sb.ece, abs=1e-5, nan_ok=True)

@@ -155,6 +155,9 @@ class Algorithm(ABC):
         self.params = params
         self.model = model
         self.seed = seed
+        #: whether evaluation may map `forward` over a client's stacked candidates (not through a recurrent
+        #: layer: vmap has no rule for packed sequences and loops slowly; unset once it finds it cannot)
+        self.vmap_eval = not any(isinstance(m, nn.RNNBase) for m in model.modules())
 
     # --- the network as a pure function -------------------------------------------------------
     def forward(self, params: Params, x: torch.Tensor) -> torch.Tensor:

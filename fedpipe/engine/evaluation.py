@@ -9,11 +9,13 @@ given beside it, labelled as such, and so is the whole curve.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from torch.func import vmap
 from torch.nn import functional as F
 
 from fedpipe.algorithms.base import Algorithm, Params, ServerState
@@ -58,26 +60,61 @@ def expected_calibration_error(probs: torch.Tensor, y: torch.Tensor, bins: int) 
     confidence = the top softmax probability; bin b holds confidences in (b/bins, (b+1)/bins]."""
     if len(y) == 0:
         return float("nan")
-    conf, pred = probs.double().max(dim=1)
+    return float(_ece_many(probs.unsqueeze(0), y, bins)[0])
+
+
+def _ece_many(probs: torch.Tensor, y: torch.Tensor, bins: int) -> torch.Tensor:
+    """`expected_calibration_error` of each of C models' probabilities [C, n, K] at once."""
+    conf, pred = probs.double().max(dim=2)
     which = (torch.ceil(conf * bins).long() - 1).clamp_(0, bins - 1)
-    gap = torch.zeros(bins, dtype=torch.float64, device=probs.device).index_add_(0, which, (pred == y).double() - conf)
-    return float(gap.abs().sum() / len(y))
+    gap = torch.zeros(len(probs), bins, dtype=torch.float64, device=probs.device)
+    return gap.scatter_add_(1, which, (pred == y).double() - conf).abs().sum(dim=1) / len(y)
 
 
 def score(logits: torch.Tensor, y: torch.Tensor, ece_bins: int | None) -> Scores:
     """Top-1, top-5, mean cross-entropy and (unless ece_bins is None) ECE of `logits` against `y`."""
-    n = int(len(y))
+    return score_many(logits.unsqueeze(0), y, ece_bins)[0]
+
+
+def score_many(logits: torch.Tensor, y: torch.Tensor, ece_bins: int | None) -> list[Scores]:
+    """`score` of each of C models' logits [C, n, K] on the same `y`, computed together (a client's 11
+    SuPerFed candidates: one set of tensor operations instead of eleven)."""
+    n, count = int(len(y)), len(logits)
     if n == 0:
-        return Scores(float("nan"), float("nan"), float("nan"), float("nan"), 0)
-    k = min(5, logits.shape[1])
-    top = logits.topk(k, dim=1).indices
-    return Scores(
-        accuracy=float((top[:, 0] == y).double().mean()),
-        top5=float((top == y[:, None]).any(dim=1).double().mean()),
-        loss=float(F.cross_entropy(logits, y, reduction="mean")),
-        ece=expected_calibration_error(F.softmax(logits.double(), dim=1), y, ece_bins) if ece_bins else float("nan"),
-        n=n,
-    )
+        return [Scores(float("nan"), float("nan"), float("nan"), float("nan"), 0)] * count
+    k = min(5, logits.shape[2])
+    top = logits.topk(k, dim=2).indices
+    accuracy = (top[:, :, 0] == y).double().mean(dim=1)
+    top5 = (top == y[:, None]).any(dim=2).double().mean(dim=1)
+    loss = F.cross_entropy(logits.reshape(count * n, -1), y.repeat(count), reduction="none").view(count, n).mean(dim=1)
+    ece = _ece_many(F.softmax(logits.double(), dim=2), y, ece_bins).tolist() if ece_bins else [float("nan")] * count
+    return [Scores(a, t, lo, e, n) for a, t, lo, e in zip(accuracy.tolist(), top5.tolist(), loss.tolist(), ece)]
+
+
+#: Most bytes of stacked candidate weights one vmapped evaluation forward holds (beyond: in groups).
+STACKED_EVAL_BYTES = 256 * 2**20
+
+
+def predict_many(algorithm: Algorithm, models: list[Params], x: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """`predict` of each of `models` on the same `x`: their weights stacked and the forward mapped over
+    them (`torch.func.vmap`, in groups of at most STACKED_EVAL_BYTES), one model at a time where the
+    network has no vmap rule (an LSTM) or a model's tensors differ in shape. Call inside `eval_mode`."""
+    if len(models) < 2 or len(x) == 0 or not getattr(algorithm, "vmap_eval", True):
+        return [predict(algorithm, p, x, batch_size) for p in models]
+    size = max(1, sum(t.numel() * t.element_size() for t in models[0].values()))
+    group = max(1, STACKED_EVAL_BYTES // size)
+    out: list[torch.Tensor] = []
+    mapped = vmap(algorithm.forward, in_dims=(0, None))
+    try:
+        for start in range(0, len(models), group):
+            part = models[start : start + group]
+            stacked = {name: _stacked([p[name] for p in part]) for name in part[0]}
+            logits = torch.cat([mapped(stacked, x[i : i + batch_size]) for i in range(0, len(x), batch_size)], dim=1)
+            out.extend(logits.unbind(0))
+    except (RuntimeError, NotImplementedError, KeyError):  # no vmap rule, or models of different shapes
+        algorithm.vmap_eval = False
+        return [predict(algorithm, p, x, batch_size) for p in models]
+    return out
 
 
 def evaluate_model(algorithm: Algorithm, params: Params, split: Split, batch_size: int, ece_bins: int) -> Scores:
@@ -174,53 +211,92 @@ def evaluate_personalized(
             return _with_choice(per_client, pick, algorithm, server, client_states, data, batch_size, ece_bins, on_global_test)
     results = []
     with eval_mode(algorithm.model):
-        shared = _shared_logits(algorithm, server, client_states, data, batch_size)
-        for i, client in enumerate(data.clients):
-            candidates = algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id)
-            select_on = client.val if len(client.val) else client.train
-            x = torch.cat([select_on.x, client.test.x])  # one forward per candidate for both splits
-            cut = len(select_on)
-            val, test, seen = [], [], {}
-            for _, params in candidates:
-                # a candidate that is the very same tensors as an earlier one is neither run nor scored
-                # again (SuPerFed's 11 lam of a client without a local model: at 10,000 clients, scoring
-                # them all took most of the evaluation)
-                if id(params) not in seen:
-                    logits = shared.pop((i, id(params)), None)
-                    logits = predict(algorithm, params, x, batch_size) if logits is None else logits
-                    # selection needs accuracy and loss only
-                    seen[id(params)] = (score(logits[:cut], select_on.y, None), score(logits[cut:], client.test.y, ece_bins))
-                val.append(seen[id(params)][0])
-                test.append(seen[id(params)][1])
-            chosen = _pick(val)
-            glob = None
-            if on_global_test and len(data.global_test):
-                glob = score(predict(algorithm, candidates[chosen][1], data.global_test.x, batch_size), data.global_test.y, ece_bins)
-            results.append(ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val), tuple(test),
-                                        chosen, _pick(test), glob))
+        for block in _blocks(algorithm, server, client_states, data):
+            shared = _shared_logits(algorithm, server, block, data, batch_size)
+            for i, candidates in block:
+                client = data.clients[i]
+                select_on = client.val if len(client.val) else client.train
+                x = torch.cat([select_on.x, client.test.x])  # one forward per candidate for both splits
+                cut = len(select_on)
+                # a candidate that is the very same tensors as an earlier one is neither run nor scored again
+                # (SuPerFed's 11 lam of a client without a local model: at 10,000 clients, scoring them all
+                # took most of the evaluation); the others run together (`predict_many`)
+                distinct = list({id(p): p for _, p in candidates}.values())
+                todo = [p for p in distinct if (i, id(p)) not in shared]
+                logits = dict(zip(map(id, todo), predict_many(algorithm, todo, x, batch_size)))
+                logits.update({id(p): shared.pop((i, id(p))) for p in distinct if (i, id(p)) in shared})
+                stacked = torch.stack([logits[id(p)] for p in distinct])
+                # selection needs accuracy and loss only
+                seen = dict(zip(map(id, distinct), zip(score_many(stacked[:, :cut], select_on.y, None),
+                                                       score_many(stacked[:, cut:], client.test.y, ece_bins))))
+                val = [seen[id(p)][0] for _, p in candidates]
+                test = [seen[id(p)][1] for _, p in candidates]
+                chosen = _pick(val)
+                glob = None
+                if on_global_test and len(data.global_test):
+                    glob = score(predict(algorithm, candidates[chosen][1], data.global_test.x, batch_size), data.global_test.y, ece_bins)
+                results.append(ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val), tuple(test),
+                                            chosen, _pick(test), glob))
     return PersonalizedResult(tuple(results), algorithm.candidate_label)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(tensors), without a copy where it can: one tensor shared by every model (a layer that is
+    w_g in each) is expanded, and tensors that are already the consecutive rows of one (SuPerFed's mixed
+    candidates) are read in place."""
+    first, n = tensors[0], len(tensors)
+    if all(t is first for t in tensors):
+        return first.expand(n, *first.shape)
+    step = first.numel()
+    if first.is_contiguous() and all(
+        t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.storage_offset() == first.storage_offset() + j * step
+        for j, t in enumerate(tensors)
+    ):
+        return first.as_strided((n, *first.shape), (step, *first.stride()), first.storage_offset())
+    return torch.stack(tensors)
 
 
 #: Samples of the clients that share one model run through it in one go (bounds the concatenated copy).
 SHARED_EVAL_SAMPLES = 65_536
+#: Bytes of candidate weights made for the evaluation (SuPerFed's mixed models) held at once.
+EVAL_BLOCK_BYTES = 256 * 2**20
+
+Block = list[tuple[int, list[tuple[float, Params]]]]  # (client index, its candidates)
 
 
-def _shared_logits(algorithm: Algorithm, server: ServerState, client_states: dict[int, Params], data: FederatedData,
+def _blocks(algorithm: Algorithm, server: ServerState, client_states: dict[int, Params], data: FederatedData) -> Iterator[Block]:
+    """The clients with their candidates, in blocks whose candidates made for the evaluation (not the server's
+    own models, which any number of clients share) take at most EVAL_BLOCK_BYTES: SuPerFed's 11 mixed models
+    of 1,000 clients would take gigabytes, and making them twice (once to find who shares what) took a
+    fifth of its evaluation."""
+    own = {id(t) for m in (server.global_params, algorithm.global_model(server)) if m is not None for t in m.values()}
+    block: Block = []
+    held = 0
+    for i, client in enumerate(data.clients):
+        candidates = algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id)
+        fresh = {id(t): t for _, p in candidates for t in p.values() if id(t) not in own}
+        held += sum(t.numel() * t.element_size() for t in fresh.values())
+        block.append((i, candidates))
+        if held >= EVAL_BLOCK_BYTES:
+            yield block
+            block, held = [], 0
+    if block:
+        yield block
+
+
+def _shared_logits(algorithm: Algorithm, server: ServerState, block: Block, data: FederatedData,
                    batch_size: int) -> dict[tuple[int, int], torch.Tensor]:
     """{(client index, id(model)): logits on the client's selection and test inputs} for the server's
-    models that clients take as a candidate as they are (FedAvg's global model for every client,
+    models that the block's clients take as a candidate as they are (FedAvg's global model for every client,
     SuPerFed's w_g for the clients without a local model), run over those clients' inputs
     concatenated: full evaluation batches instead of one small forward per client (10,000 clients'
     evaluation was most of a FedAvg run's wall time). Per-sample logits do not depend on the batch
-    (eval mode), so scores agree with one forward per client within float tolerance. Candidates are
-    looked at one client at a time and not kept (SuPerFed's 11 mixed models of 1,000 clients would
-    take gigabytes)."""
+    (eval mode), so scores agree with one forward per client within float tolerance."""
     models = {id(m): m for m in (server.global_params, algorithm.global_model(server)) if m is not None}
     users: dict[int, list[int]] = {pid: [] for pid in models}
-    for i, client in enumerate(data.clients):
-        taken = {id(p) for _, p in algorithm.personalized_candidates(server, client_states.get(client.client_id), client.client_id)
-                 if id(p) in models and p is models[id(p)]}
-        for pid in taken:
+    for i, candidates in block:
+        for pid in {id(p) for _, p in candidates if id(p) in models and p is models[id(p)]}:
             users[pid].append(i)
 
     def inputs(i: int) -> list[torch.Tensor]:

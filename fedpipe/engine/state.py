@@ -24,6 +24,7 @@ from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.client_states import ClientKeys, ClientStates
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store.base import Store
+from fedpipe.store.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +171,16 @@ class Checkpoints:
 
     `guard`, when given, is called before every write (the run's owner check: a writer whose run
     was taken over stops there instead of overwriting the new owner's checkpoints).
+
+    A round's checkpoint is written in the background (`WriteBehind`: its client objects, then the
+    checkpoint, then the old ones' removal, in that order) while the next round trains; at most one
+    round's writes wait, so a failed write stops the phase at its next checkpoint. `save_final` and
+    `close` return once everything is written.
     """
 
     def __init__(self, store: Store, layout: PhaseKeys, state_memory_mb: float = 1024,
                  guard: Callable[[], None] | None = None):
-        self.store, self.layout = store, layout
+        self.store, self.layout = (store if isinstance(store, WriteBehind) else WriteBehind(store)), layout
         self.guard = guard if guard is not None else (lambda: None)
         self.budget_bytes = max(1, int(state_memory_mb * 2**20))
         self._refs: dict[str, set[str]] = {}  # checkpoint key -> the client objects it refers to
@@ -242,14 +248,26 @@ class Checkpoints:
         self._refs = {k: v for k, v in self._refs.items() if k in kept}
 
     def save_round(self, state: PhaseState, keep: int) -> None:
-        key = self.layout.round(state.round)
+        """Queue round `state.round`'s checkpoint (see the class docstring); the previous one's writes
+        finish first."""
+        key, round_ = self.layout.round(state.round), state.round
+        self.store.flush()
         self.guard()
-        self.store.put(key, state.to_bytes())
-        self._refs[key] = _references(state)
-        for _, old in self.round_keys()[:-keep]:
-            self.store.delete(old)
-        rounds = self.round_keys()
-        self._collect([k for _, k in rounds], max((r for r, _ in rounds), default=state.round))
+        self.store.put(key, state.to_bytes())  # the bytes are taken now: training may go on changing `state`
+        refs = _references(state)
+
+        def tidy() -> None:  # on the writer thread, after the checkpoint is written
+            self._refs[key] = refs
+            for _, old in self.round_keys()[:-keep]:
+                self.store.delete(old)
+            rounds = self.round_keys()
+            self._collect([k for _, k in rounds], max((r for r, _ in rounds), default=round_))
+
+        self.store.later(tidy)
+
+    def close(self) -> None:
+        """Wait for the queued writes (the phase's last checkpoint) and raise what failed."""
+        self.store.flush()
 
     def latest_good(self, device: torch.device | str) -> PhaseState | None:
         """The newest checkpoint that reads back intact (and whose client objects all exist); damaged
@@ -270,8 +288,10 @@ class Checkpoints:
         return None
 
     def save_final(self, state: PhaseState) -> None:
+        self.store.flush()
         self.guard()
         self.store.put(self.final_key, state.to_bytes())
+        self.store.flush()  # the final state is written before its checkpoints go
         self._refs[self.final_key] = _references(state)
         for _, key in self.round_keys():
             self.store.delete(key)

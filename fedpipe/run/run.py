@@ -385,6 +385,12 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
                       callbacks.ModelSelection(algorithm, data, cfg.train, cfg.run.seed, cfg.eval.batch_size),
                       callbacks.Checkpointing(ckpt, cfg.train.keep_checkpoints)]
             state = run_phase(algorithm, phase, data, start, cfg.train, cfg.run.seed, train_round, around, privacy=trainer.privacy)
+    except BaseException:
+        try:  # the last checkpoint still lands (a rerun resumes from it), while the run is still ours
+            ckpt.close()
+        except StoreError as e:
+            log.error("The phase's last checkpoint could not be written either: %s", e)
+        raise
     finally:
         if ranks is not None:
             ranks.stop()

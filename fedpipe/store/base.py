@@ -80,7 +80,7 @@ class Store(ABC):
         self.put(key, data)
         return True
 
-    def put_many(self, items: Mapping[str, bytes]) -> dict[str, str]:
+    def put_many(self, items: Mapping[str, bytes]) -> Mapping[str, str]:
         """`put` each of `items` ({key: bytes}); returns {key: sha256}. The writes overlap (a round's
         changed client states: one request or fsync each, hundreds at 1,000 clients), so they cost
         about the slowest one rather than the sum; each object is still written atomically, and when

@@ -290,7 +290,7 @@ class LocalStore(Store):
     def put(self, key: str, data: bytes) -> str:
         return self._put_when(key, data, _ANY)[1]
 
-    def put_many(self, items: Mapping[str, bytes]) -> dict[str, str]:
+    def put_many(self, items: Mapping[str, bytes]) -> Mapping[str, str]:
         """The write protocol for many objects, a folder at a time under its lock (`_put_folder`)."""
         folders: dict[Path, list[tuple[Path, bytes]]] = defaultdict(list)
         for key, data in items.items():

@@ -188,7 +188,7 @@ class SignedStore(Store):
         self.inner.put(key, envelope)
         return sha256_hex(envelope[HEADER_BYTES:])  # the caller's bytes: what run manifests record and `verify` recomputes
 
-    def put_many(self, items: Mapping[str, bytes]) -> dict[str, str]:
+    def put_many(self, items: Mapping[str, bytes]) -> Mapping[str, str]:
         envelopes = {validate_key(k): self._envelope(validate_key(k), d) for k, d in items.items()}
         self.inner.put_many(envelopes)
         return {k: sha256_hex(e[HEADER_BYTES:]) for k, e in envelopes.items()}
