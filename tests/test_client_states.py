@@ -195,6 +195,32 @@ def test_a_checkpoint_with_spilled_states_resumes_bitwise_equal(tmp_path):
         assert_bitwise(resumed.clients[cid], expected.clients[cid])
 
 
+def test_checkpoints_written_in_the_background_resume_as_those_written_at_once(tmp_path, monkeypatch):
+    """What a GPU run does (`Checkpoints(background=True)`), on the CPU: the same spilled states and
+    checkpoints, and a crash after a round still resumes bitwise to the uninterrupted run's weights."""
+    expected = train_all(small_run(tmp_path / "clean", *SPILLING))
+    made = []
+    plain = Run.checkpoints
+
+    def background(self, phase):
+        ckpt = plain(self, phase)
+        made.append(ckpt)
+        return Checkpoints(ckpt.store.inner, ckpt.layout, self.cfg.engine.state_memory_mb, ckpt.guard, background=True)
+
+    monkeypatch.setattr(Run, "checkpoints", background)
+    run = small_run(tmp_path / "crashed", *SPILLING)
+    run.partition()
+    run.train("federation")
+    with pytest.raises(SystemExit):
+        run.train("personalization", telemetry_sinks=[CrashAfterRound(2)])
+    assert b"client_refs" in run.store.get("test/phases/personalization/round-00002.pt")  # landed before the crash
+    resumed = train_all(run)
+    assert made and all(not c.store.background for c in made)  # the CPU run's own choice
+    assert_same_params(resumed.server.global_params, expected.server.global_params)
+    for cid in expected.clients:
+        assert_bitwise(resumed.clients[cid], expected.clients[cid])
+
+
 def test_three_hundred_clients_sharing_samples_within_a_tiny_budget(tmp_path):
     run = small_run(tmp_path, "data.dataset=digits", "method.name=superfed_mm", "partition.scheme=with_replacement",
                     "partition.num_clients=300", "partition.samples_per_client=10", "train.client_fraction=0.05",

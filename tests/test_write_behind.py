@@ -86,13 +86,15 @@ def _state(round_: int) -> PhaseState:
     return PhaseState("fedavg", "p", round_, ServerState({"w": torch.full((2,), float(round_))}), {})
 
 
-def test_a_checkpoint_that_fails_in_the_background_stops_the_phase_at_the_next_one(tmp_path):
+@pytest.mark.parametrize("background", [True, False])
+def test_a_checkpoint_that_fails_stops_the_phase_at_the_latest_at_the_next_one(tmp_path, background):
     phase = RunLayout("run").phase("p")
     inner = Gated(tmp_path, fail_on=(phase.round(2),))
-    ckpt = Checkpoints(inner, phase)
+    ckpt = Checkpoints(inner, phase, background=background)
     ckpt.save_round(_state(1), keep=2)
-    ckpt.save_round(_state(2), keep=2)  # queued: the failure is not known yet
     with pytest.raises(StoreError, match=r"disk full writing run/phases/p/round-0*2"):
+        ckpt.save_round(_state(2), keep=2)  # in the background: queued, the failure not known yet
+        assert background
         ckpt.save_round(_state(3), keep=2)
     back = Checkpoints(LocalStore(tmp_path), phase).latest_good("cpu")
     assert back.round == 1 and torch.equal(back.server.global_params["w"], torch.ones(2))

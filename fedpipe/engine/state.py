@@ -172,15 +172,15 @@ class Checkpoints:
     `guard`, when given, is called before every write (the run's owner check: a writer whose run
     was taken over stops there instead of overwriting the new owner's checkpoints).
 
-    A round's checkpoint is written in the background (`WriteBehind`: its client objects, then the
-    checkpoint, then the old ones' removal, in that order) while the next round trains; at most one
-    round's writes wait, so a failed write stops the phase at its next checkpoint. `save_final` and
-    `close` return once everything is written.
+    With `background`, a round's checkpoint is written on a background thread (`WriteBehind`: its client
+    objects, then the checkpoint, then the old ones' removal, in that order) while the next round trains;
+    at most one round's writes wait, so a failed write stops the phase at its next checkpoint. `save_final`
+    and `close` return once everything is written.
     """
 
     def __init__(self, store: Store, layout: PhaseKeys, state_memory_mb: float = 1024,
-                 guard: Callable[[], None] | None = None):
-        self.store, self.layout = (store if isinstance(store, WriteBehind) else WriteBehind(store)), layout
+                 guard: Callable[[], None] | None = None, background: bool = False):
+        self.store, self.layout = WriteBehind(store, background=background), layout
         self.guard = guard if guard is not None else (lambda: None)
         self.budget_bytes = max(1, int(state_memory_mb * 2**20))
         self._refs: dict[str, set[str]] = {}  # checkpoint key -> the client objects it refers to

@@ -130,7 +130,9 @@ class Run:  # size: a run's three steps and the building blocks they share (data
 
     def checkpoints(self, phase: str) -> Checkpoints:
         guard = self.owner.beat if self.owner.held else None  # a writer taken over stops before its next checkpoint
-        return Checkpoints(self.store, self.layout.phase(phase), self.cfg.engine.state_memory_mb, guard)
+        # in the background beside a GPU, whose host cores wait; on a CPU the writes slowed the rounds as much (WriteBehind)
+        return Checkpoints(self.store, self.layout.phase(phase), self.cfg.engine.state_memory_mb, guard,
+                           background=self.device.type == "cuda")
 
     def check_record(self, *, create: bool) -> None:
         """The run folder belongs to one configuration; refuse to mix another into it."""

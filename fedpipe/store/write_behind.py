@@ -12,7 +12,10 @@ thread itself, where everything queued before the running task is already done.
 The first failure stops the queue: the tasks behind it are dropped (a checkpoint is never written
 without its objects), and every later call raises it, naming what failed, so the run stops at its
 next checkpoint instead of training on without one. `max_pending_bytes` bounds the memory: a write
-waits while that much is queued.
+waits while that much is queued. With `background=False` every task runs at once on the caller's
+thread (the same order and errors, no thread): on a 2-core CPU the writer's threads and the training
+thread contend for the interpreter lock, and the rounds slowed by about what the checkpoints saved
+(benchmarks/wall_time.py), so the run writes in the background only beside a GPU.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ MAX_PENDING_BYTES = 1 << 30
 class WriteBehind(Store):
     """`inner` with its writes queued to one background thread (see the module's docstring)."""
 
-    def __init__(self, inner: Store, max_pending_bytes: int = MAX_PENDING_BYTES):
-        self.inner = inner
+    def __init__(self, inner: Store, max_pending_bytes: int = MAX_PENDING_BYTES, background: bool = True):
+        self.inner, self.background = inner, background
         self.max_pending_bytes = max(1, int(max_pending_bytes))
         self._cond = threading.Condition()
         self._tasks: deque[tuple[Callable[[], None], int]] = deque()  # (task, bytes it holds)
@@ -63,6 +66,9 @@ class WriteBehind(Store):
                              f"dropped: {self._error}") from self._error
 
     def _submit(self, task: Callable[[], None], nbytes: int, objects: dict[str, bytes]) -> None:
+        if not self.background:
+            task()
+            return
         with self._cond:
             self._raise_failure()
             # wait for room (one task bigger than the bound still goes, alone)
