@@ -258,6 +258,29 @@ def _confine(root: Path, path: Path, key: str) -> None:
 _ANY = "any"  # `_put_when`: write whatever is stored now
 
 
+def _keys_under(root: Path, start: Path, prefix: str) -> list[str]:
+    """`LocalStore.list`: the keys with `prefix` in the folder `start` (inside `root`) and below, sorted.
+
+    os.walk does not follow links to folders, so every folder it enters is a real one inside the root and
+    only a file that is itself a link needs resolving (each `_confine` is a dozen system calls: 1,000
+    clients' states listed every round added up). Folders that cannot hold a key with the prefix (a
+    phase's clients/ when listing its round checkpoints) are not entered."""
+    keys = []
+    for dirpath, dirnames, filenames in os.walk(start):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        here = "" if rel_dir == "." else rel_dir + "/"
+        dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != SIDECAR_DIR
+                       and (f"{here}{d}/".startswith(prefix) or prefix.startswith(f"{here}{d}/"))]
+        for name in filenames:
+            key = here + name
+            if name.startswith(TEMP_PREFIX) or not key.startswith(prefix):
+                continue
+            if os.path.islink(os.path.join(dirpath, name)):
+                _confine(root, Path(dirpath) / name, key)
+            keys.append(key)
+    return sorted(keys)
+
+
 class LocalStore(Store):
     """Objects as plain files under `root`, each with its sha256 in a hidden ``.sha256/`` sidecar."""
 
@@ -384,24 +407,7 @@ class LocalStore(Store):
             _confine(self.root, start, head)
         if not start.is_dir():
             return []
-        keys = []
-        # os.walk does not follow links to folders, so every folder it enters is a real one inside the root
-        # and only a file that is itself a link needs resolving (each `_confine` is a dozen system calls:
-        # 1,000 clients' states listed every round added up). Folders that cannot hold a key with the
-        # prefix (a phase's clients/ when listing its round checkpoints) are not entered.
-        for dirpath, dirnames, filenames in os.walk(start):
-            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
-            here = "" if rel_dir == "." else rel_dir + "/"
-            dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX) and d != SIDECAR_DIR
-                           and (f"{here}{d}/".startswith(prefix) or prefix.startswith(f"{here}{d}/"))]
-            for name in filenames:
-                key = here + name
-                if name.startswith(TEMP_PREFIX) or not key.startswith(prefix):
-                    continue
-                if os.path.islink(os.path.join(dirpath, name)):
-                    _confine(self.root, Path(dirpath) / name, key)
-                keys.append(key)
-        return sorted(keys)
+        return _keys_under(self.root, start, prefix)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
