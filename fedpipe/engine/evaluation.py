@@ -55,16 +55,17 @@ def predict(algorithm: Algorithm, params: Params, x: torch.Tensor, batch_size: i
 
 
 def expected_calibration_error(probs: torch.Tensor, y: torch.Tensor, bins: int) -> float:
-    """ECE with `bins` equal-width confidence bins (Guo et al. 2017, Eq. 3):
-    sum_b |B_b| / n * |acc(B_b) - conf(B_b)| = sum_b |sum_{i in B_b} (correct_i - conf_i)| / n,
-    confidence = the top softmax probability; bin b holds confidences in (b/bins, (b+1)/bins]."""
+    """ECE of one model's probabilities [n, K] (`_ece_many`, which holds the formula)."""
     if len(y) == 0:
         return float("nan")
     return float(_ece_many(probs.unsqueeze(0), y, bins)[0])
 
 
 def _ece_many(probs: torch.Tensor, y: torch.Tensor, bins: int) -> torch.Tensor:
-    """`expected_calibration_error` of each of C models' probabilities [C, n, K] at once."""
+    """ECE with `bins` equal-width confidence bins (Guo et al. 2017, Eq. 3) of each of C models'
+    probabilities [C, n, K] at once: sum_b |B_b| / n * |acc(B_b) - conf(B_b)| = sum_b |sum_{i in B_b}
+    (correct_i - conf_i)| / n, confidence = the top softmax probability; bin b holds confidences in
+    (b/bins, (b+1)/bins]."""
     conf, pred = probs.double().max(dim=2)
     which = (torch.ceil(conf * bins).long() - 1).clamp_(0, bins - 1)
     gap = torch.zeros(len(probs), bins, dtype=torch.float64, device=probs.device)
