@@ -322,6 +322,8 @@ def test_a_symlink_out_of_the_root_is_refused_on_read_write_and_delete(store: Lo
         store.get(key)
     with pytest.raises(StoreError, match=refused):
         store.put(key, b"overwritten")
+    with pytest.raises(StoreError, match=refused):  # put_many resolves each folder once, each link in full
+        store.put_many({"run-1/fine.txt": b"fine", key: b"overwritten"})
     with pytest.raises(StoreError, match=refused):
         store.delete(key)
     with pytest.raises(StoreError, match=refused):

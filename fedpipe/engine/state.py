@@ -21,7 +21,7 @@ import torch
 
 from fedpipe.algorithms.base import Params, ServerState
 from fedpipe.engine.accounting import Ledger
-from fedpipe.engine.client_states import ClientKeys, ClientStates
+from fedpipe.engine.client_states import ClientKeys, ClientStates, saved_bytes
 from fedpipe.errors import CorruptArtifactError, StoreError
 from fedpipe.store.base import Store
 from fedpipe.store.write_behind import WriteBehind
@@ -76,9 +76,7 @@ class PhaseState:
             sel = self.selection
             d["selection"] = {"round": sel.round, "score": sel.score, "global": _cpu(sel.server.global_params),
                               "server_clients": {k: _cpu(v) for k, v in sel.server.per_client.items()}}
-        buf = io.BytesIO()
-        torch.save(d, buf)
-        return buf.getvalue()
+        return saved_bytes(d)
 
     @classmethod
     def from_bytes(cls, data: bytes, device: torch.device | str = "cpu", where: str = "state",
@@ -155,6 +153,10 @@ class PhaseKeys(ClientKeys, Protocol):
         """The round of a checkpoint key; None for another key."""
 
     @property
+    def rounds(self) -> str:
+        """A prefix of every checkpoint key (and of few other keys)."""
+
+    @property
     def clients(self) -> str:
         """The folder of the phase's spilled client states."""
 
@@ -190,7 +192,7 @@ class Checkpoints:
         return self.layout.final
 
     def round_keys(self) -> list[tuple[int, str]]:
-        found = [(r, k) for k in self.store.list(self.layout.folder) if (r := self.layout.round_of(k)) is not None]
+        found = [(r, k) for k in self.store.list(self.layout.rounds) if (r := self.layout.round_of(k)) is not None]
         return sorted(found)
 
     def client_states(self, states: Mapping[int, Params] | None, device: torch.device | str) -> ClientStates:
@@ -258,10 +260,11 @@ class Checkpoints:
 
         def tidy() -> None:  # on the writer thread, after the checkpoint is written
             self._refs[key] = refs
-            for _, old in self.round_keys()[:-keep]:
-                self.store.delete(old)
             rounds = self.round_keys()
-            self._collect([k for _, k in rounds], max((r for r, _ in rounds), default=round_))
+            for _, old in rounds[:-keep]:
+                self.store.delete(old)
+            kept = rounds[-keep:]  # keep 0 deletes nothing, as [:-0] is empty
+            self._collect([k for _, k in kept], max((r for r, _ in kept), default=round_))
 
         self.store.later(tidy)
 

@@ -50,7 +50,12 @@ class PhaseLayout:
         return self.folder + "engine.json"
 
     def round(self, round_: int) -> str:
-        return f"{self.folder}round-{round_:05d}.pt"
+        return f"{self.rounds}{round_:05d}.pt"
+
+    @property
+    def rounds(self) -> str:
+        """What every checkpoint key starts with (listing it does not walk the clients folder)."""
+        return self.folder + "round-"
 
     def round_of(self, key: str) -> int | None:
         """The round of this phase's checkpoint `key`; None for any other key."""

@@ -201,23 +201,27 @@ def _write_object(path: Path, sidecar: Path, data: bytes, digest: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _put_folder(entries: list[tuple[Path, bytes]], sidecar_of) -> None:
-    """`LocalStore.put_many` for objects of one folder; the caller holds the folder's lock. New
-    objects' sidecar and data temp files are written (and fsynced) side by side by a few threads, the
-    sidecars renamed into place before the data, and the folder fsynced once, not once per object (a
-    round's client states: 3 serial fsyncs each before). Objects being replaced take `put`'s path."""
+def _put_folder(entries: list[tuple[Path, bytes]], sidecar_of) -> dict[Path, str]:
+    """`LocalStore.put_many` for objects of one folder; the caller holds the folder's lock. Returns
+    {path: sha256}. New objects' sidecar and data temp files are written (and fsynced) side by side by
+    a few threads, each hashing its object once (hashlib lets go of the interpreter lock), the sidecars
+    renamed into place before the data, and the folder fsynced once, not once per object (a round's
+    client states: 3 serial fsyncs each before). Objects being replaced take `put`'s path."""
+    digests: dict[Path, str] = {}
     fresh = [(path, data) for path, data in entries if not path.exists()]
     for path, data in entries:
         if path.exists():
-            _write_object(path, sidecar_of(path), data, sha256_hex(data))
+            digests[path] = sha256_hex(data)
+            _write_object(path, sidecar_of(path), data, digests[path])
     if not fresh:
-        return
+        return digests
     folder = fresh[0][0].parent
     (folder / SIDECAR_DIR).mkdir(parents=True, exist_ok=True)
 
-    def temps(entry: tuple[Path, bytes]) -> tuple[Path, Path]:
+    def temps(entry: tuple[Path, bytes]) -> tuple[Path, Path, str]:
         path, data = entry
-        return _write_temp(folder / SIDECAR_DIR, f"{sha256_hex(data)}  {path.name}\n".encode()), _write_temp(folder, data)
+        digest = sha256_hex(data)
+        return _write_temp(folder / SIDECAR_DIR, f"{digest}  {path.name}\n".encode()), _write_temp(folder, data), digest
 
     with ThreadPoolExecutor(max_workers=min(PUT_MANY_THREADS, len(fresh)), thread_name_prefix="fedpipe-put") as pool:
         futures = [pool.submit(temps, e) for e in fresh]
@@ -225,21 +229,23 @@ def _put_folder(entries: list[tuple[Path, bytes]], sidecar_of) -> None:
     try:
         if len(written) < len(futures):
             raise next(f.exception() for f in futures if f.exception() is not None)
-        for (path, _), (sidecar_tmp, _) in zip(fresh, written):
+        for (path, _), (sidecar_tmp, _, _) in zip(fresh, written):
             os.replace(sidecar_tmp, sidecar_of(path))
         _fsync_dir(folder / SIDECAR_DIR)
-        for (path, _), (_, data_tmp) in zip(fresh, written):
+        for (path, _), (_, data_tmp, digest) in zip(fresh, written):
             os.replace(data_tmp, path)
+            digests[path] = digest
     except BaseException:
         for path, _ in fresh:  # a sidecar without its object is removed; the object rename is the commit
             if not path.exists():
                 _restore_sidecar(sidecar_of(path), None, had_object=False)
         for pair in written:
-            for tmp in pair:
+            for tmp in pair[:2]:
                 with contextlib.suppress(OSError):
                     tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(folder)
+    return digests
 
 
 def _confine(root: Path, path: Path, key: str) -> None:
@@ -253,6 +259,24 @@ def _confine(root: Path, path: Path, key: str) -> None:
             f"The artifact key {key!r} leads out of the store folder {root} (to {path.resolve()}) "
             "through a symbolic link; fedpipe reads and writes only inside its store. Remove the link."
         )
+
+
+def _paths(root: Path, keys) -> dict[str, Path]:
+    """`LocalStore._path` of many keys, each folder resolved once: a path that is not itself a link
+    resolves to its resolved folder plus its name, so it is inside the root when that folder is (a
+    round's 100 client states cost 200 resolutions of a dozen system calls each otherwise)."""
+    inside: dict[Path, bool] = {}
+    paths = {}
+    for key in keys:
+        path = root.joinpath(*validate_key(key).split("/"))
+        for p in (path, path.parent / SIDECAR_DIR / path.name):
+            if p.parent not in inside:
+                with contextlib.suppress(OSError, RuntimeError):  # a loop: the full check below says so
+                    inside[p.parent] = p.parent.resolve().is_relative_to(root)
+            if not inside.get(p.parent) or os.path.islink(p):
+                _confine(root, p, key)
+        paths[key] = path
+    return paths
 
 
 _ANY = "any"  # `_put_when`: write whatever is stored now
@@ -319,16 +343,19 @@ class LocalStore(Store):
         for key, data in items.items():
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise StoreError(f"Can only store bytes under {key!r}, got {type(data).__name__}.")
-            folders[self._path(key).parent].append((self._path(key), bytes(data)))
+        paths = _paths(self.root, items)
+        for key, data in items.items():
+            folders[paths[key].parent].append((paths[key], bytes(data)))
+        digests: dict[Path, str] = {}
         try:
             for entries in folders.values():
                 with _locked(entries[0][0]):
-                    _put_folder(entries, self._sidecar)
+                    digests.update(_put_folder(entries, self._sidecar))
         except StoreError:
             raise
         except OSError as exc:
             raise StoreError(f"Could not write artifacts under {self.root}: {exc.strerror or exc}. Check free disk space and permissions on the store folder.") from exc
-        return {k: sha256_hex(bytes(d)) for k, d in items.items()}
+        return {k: digests[path] for k, path in paths.items()}
 
     def create(self, key: str, data: bytes) -> bool:
         return self._put_when(key, data, None)[0]
