@@ -5,15 +5,17 @@ chosen on the validation split and never on the test split, the learning-rate de
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
 from runs import small_run, train_all
+from torch.nn import functional as F
 
 import fedpipe.engine.clients
 from fedpipe.algorithms.base import ServerState
 from fedpipe.data.federated import ClientData, FederatedData, Split
-from fedpipe.engine.evaluation import evaluate_personalized, expected_calibration_error, score
+from fedpipe.engine.evaluation import evaluate_personalized, expected_calibration_error, score, score_segments
 
 # --- ECE ---------------------------------------------------------------------------------------------
 
@@ -68,6 +70,30 @@ def test_top5_counts_a_label_among_the_five_highest_logits():
     assert s.accuracy == pytest.approx(1 / 5) and s.top5 == pytest.approx(3 / 5)
     # with fewer than five classes every label is in the top five
     assert score(torch.tensor([[1.0, 0, 0], [0, 1.0, 0]]), torch.tensor([2, 2]), None).top5 == 1
+
+
+def test_scoring_many_segments_at_once_equals_scoring_each_alone():
+    """`score_segments` (a block of clients' candidates scored together) against `score` of each run by
+    hand: accuracy, top-5, loss and ECE of every segment, an empty one NaN."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [5, 1, 0, 12, 7]
+    logits = torch.randn(sum(sizes), 8, generator=g) * 3
+    y = torch.randint(0, 8, (sum(sizes),), generator=g)
+    together = score_segments(logits, y, sizes, 10)
+    start = 0
+    for size, got in zip(sizes, together):
+        alone = logits[start : start + size], y[start : start + size]
+        start += size
+        assert got.n == size
+        if size == 0:
+            assert math.isnan(got.accuracy) and math.isnan(got.loss) and math.isnan(got.ece)
+            continue
+        acc = (alone[0].argmax(1) == alone[1]).double().mean().item()
+        loss = F.cross_entropy(alone[0].double(), alone[1]).item()
+        probs = torch.softmax(alone[0].double(), dim=1)
+        assert (got.accuracy, got.loss) == (pytest.approx(acc, abs=1e-12), pytest.approx(loss, abs=1e-5))
+        assert got.top5 == pytest.approx((alone[0].topk(5, dim=1).indices == alone[1][:, None]).any(1).double().mean().item())
+        assert got.ece == pytest.approx(_ece_by_hand(probs, alone[1], 10), abs=1e-9)
 
 
 # --- the candidate is chosen on validation, not on test ------------------------------------------------

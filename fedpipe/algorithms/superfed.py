@@ -246,14 +246,14 @@ class SuPerFedMM(Algorithm):
         if state is None:  # a client that never reached Phase II has no local model: every lam is w_g
             return [(lam, g) for lam in grid]
         # `mix` for the whole grid at once: the candidates are rows of one tensor per layer, which the evaluation
-        # maps its forward over without copying them (`predict_many`). A fused multiply-add, so a middle lam
-        # may differ from `mix` in the last bit; lam = 0 and 1 give w_g and w_l exactly.
+        # maps its forward over without copying them (`predict_many`). torch.lerp makes them in one pass over
+        # memory (half the time of a multiply and a fused multiply-add); it computes w_g + lam (w_l - w_g), or
+        # w_l - (1 - lam)(w_l - w_g) from lam = 0.5 on, so lam = 0 and 1 give w_g and w_l exactly and a middle
+        # lam may differ from `mix` in the last bit.
         rows = {}
         for n in self.mixed:
-            shape = (len(grid),) + (1,) * g[n].dim()
-            keep = torch.tensor([1 - lam for lam in grid], dtype=g[n].dtype, device=g[n].device).view(shape)
-            take = torch.tensor(grid, dtype=g[n].dtype, device=g[n].device).view(shape)
-            rows[n] = torch.mul(keep, g[n]).addcmul_(take, state[n]).unbind(0)
+            take = torch.tensor(grid, dtype=g[n].dtype, device=g[n].device).view((len(grid),) + (1,) * g[n].dim())
+            rows[n] = torch.lerp(g[n], state[n], take).unbind(0)
         return [(lam, {**g, **{n: r[j] for n, r in rows.items()}}) for j, lam in enumerate(grid)]
 
 

@@ -55,41 +55,51 @@ def predict(algorithm: Algorithm, params: Params, x: torch.Tensor, batch_size: i
 
 
 def expected_calibration_error(probs: torch.Tensor, y: torch.Tensor, bins: int) -> float:
-    """ECE of one model's probabilities [n, K] (`_ece_many`, which holds the formula)."""
+    """ECE of one model's probabilities [n, K] (`_ece_segments`, which holds the formula)."""
     if len(y) == 0:
         return float("nan")
-    return float(_ece_many(probs.unsqueeze(0), y, bins)[0])
+    return float(_ece_segments(probs, y, torch.zeros(len(y), dtype=torch.long, device=y.device), 1, bins)[0])
 
 
-def _ece_many(probs: torch.Tensor, y: torch.Tensor, bins: int) -> torch.Tensor:
-    """ECE with `bins` equal-width confidence bins (Guo et al. 2017, Eq. 3) of each of C models'
-    probabilities [C, n, K] at once: sum_b |B_b| / n * |acc(B_b) - conf(B_b)| = sum_b |sum_{i in B_b}
-    (correct_i - conf_i)| / n, confidence = the top softmax probability; bin b holds confidences in
-    (b/bins, (b+1)/bins]."""
-    conf, pred = probs.double().max(dim=2)
+def _ece_segments(probs: torch.Tensor, y: torch.Tensor, segment: torch.Tensor, count: int, bins: int) -> torch.Tensor:
+    """ECE with `bins` equal-width confidence bins (Guo et al. 2017, Eq. 3) of each of `count` segments of
+    the rows of probs [M, K] (row m in segment[m]) at once: sum_b |B_b| / n * |acc(B_b) - conf(B_b)| =
+    sum_b |sum_{i in B_b} (correct_i - conf_i)| / n, confidence = the top softmax probability; bin b holds
+    confidences in (b/bins, (b+1)/bins]."""
+    conf, pred = probs.double().max(dim=1)
     which = (torch.ceil(conf * bins).long() - 1).clamp_(0, bins - 1)
-    gap = torch.zeros(len(probs), bins, dtype=torch.float64, device=probs.device)
-    return gap.scatter_add_(1, which, (pred == y).double() - conf).abs().sum(dim=1) / len(y)
+    gap = torch.zeros(count * bins, dtype=torch.float64, device=probs.device)
+    gap.index_add_(0, segment * bins + which, (pred == y).double() - conf)
+    n = torch.bincount(segment, minlength=count).double()
+    return gap.view(count, bins).abs().sum(dim=1) / n
 
 
 def score(logits: torch.Tensor, y: torch.Tensor, ece_bins: int | None) -> Scores:
     """Top-1, top-5, mean cross-entropy and (unless ece_bins is None) ECE of `logits` against `y`."""
-    return score_many(logits.unsqueeze(0), y, ece_bins)[0]
+    return score_segments(logits, y, [len(y)], ece_bins)[0]
 
 
-def score_many(logits: torch.Tensor, y: torch.Tensor, ece_bins: int | None) -> list[Scores]:
-    """`score` of each of C models' logits [C, n, K] on the same `y`, computed together (a client's 11
-    SuPerFed candidates: one set of tensor operations instead of eleven)."""
-    n, count = int(len(y)), len(logits)
-    if n == 0:
-        return [Scores(float("nan"), float("nan"), float("nan"), float("nan"), 0)] * count
-    k = min(5, logits.shape[2])
-    top = logits.topk(k, dim=2).indices
-    accuracy = (top[:, :, 0] == y).double().mean(dim=1)
-    top5 = (top == y[:, None]).any(dim=2).double().mean(dim=1)
-    loss = F.cross_entropy(logits.reshape(count * n, -1), y.repeat(count), reduction="none").view(count, n).mean(dim=1)
-    ece = _ece_many(F.softmax(logits.double(), dim=2), y, ece_bins).tolist() if ece_bins else [float("nan")] * count
-    return [Scores(a, t, lo, e, n) for a, t, lo, e in zip(accuracy.tolist(), top5.tolist(), loss.tolist(), ece)]
+def score_segments(logits: torch.Tensor, y: torch.Tensor, sizes: list[int], ece_bins: int | None) -> list[Scores]:
+    """`score` of each run of consecutive rows of logits [M, K] against y [M], the runs `sizes` long (a
+    block of clients' candidates on their own splits): one set of tensor operations for all of them
+    instead of a dozen small ones per client and candidate (at 10,000 clients, most of the evaluation).
+    Sums are taken in float64 and divided by each run's length; an empty run scores NaN."""
+    count = len(sizes)
+    n = torch.tensor(sizes, dtype=torch.float64, device=logits.device)
+    segment = torch.repeat_interleave(torch.arange(count, device=logits.device), n.long())
+
+    def total(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(count, dtype=torch.float64, device=logits.device).index_add_(0, segment, values.double())
+
+    if len(y) == 0:
+        nan = [float("nan")] * count
+        return [Scores(a, t, lo, e, int(k)) for a, t, lo, e, k in zip(nan, nan, nan, nan, sizes)]
+    top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+    accuracy = total(top[:, 0] == y) / n
+    top5 = total((top == y[:, None]).any(dim=1)) / n
+    loss = total(F.cross_entropy(logits, y, reduction="none")) / n
+    ece = _ece_segments(F.softmax(logits.double(), dim=1), y, segment, count, ece_bins).tolist() if ece_bins else [float("nan")] * count
+    return [Scores(a, t, lo, e, int(k)) for a, t, lo, e, k in zip(accuracy.tolist(), top5.tolist(), loss.tolist(), ece, sizes)]
 
 
 #: Most bytes of stacked candidate weights one vmapped evaluation forward holds (beyond: in groups).
@@ -213,32 +223,55 @@ def evaluate_personalized(
     results = []
     with eval_mode(algorithm.model):
         for block in _blocks(algorithm, server, client_states, data):
-            shared = _shared_logits(algorithm, server, block, data, batch_size)
-            for i, candidates in block:
-                client = data.clients[i]
-                select_on = client.val if len(client.val) else client.train
-                x = torch.cat([select_on.x, client.test.x])  # one forward per candidate for both splits
-                cut = len(select_on)
-                # a candidate that is the very same tensors as an earlier one is neither run nor scored again
-                # (SuPerFed's 11 lam of a client without a local model: at 10,000 clients, scoring them all
-                # took most of the evaluation); the others run together (`predict_many`)
-                distinct = list({id(p): p for _, p in candidates}.values())
-                todo = [p for p in distinct if (i, id(p)) not in shared]
-                logits = dict(zip(map(id, todo), predict_many(algorithm, todo, x, batch_size)))
-                logits.update({id(p): shared.pop((i, id(p))) for p in distinct if (i, id(p)) in shared})
-                stacked = torch.stack([logits[id(p)] for p in distinct])
-                # selection needs accuracy and loss only
-                seen = dict(zip(map(id, distinct), zip(score_many(stacked[:, :cut], select_on.y, None),
-                                                       score_many(stacked[:, cut:], client.test.y, ece_bins))))
-                val = [seen[id(p)][0] for _, p in candidates]
-                test = [seen[id(p)][1] for _, p in candidates]
-                chosen = _pick(val)
-                glob = None
-                if on_global_test and len(data.global_test):
-                    glob = score(predict(algorithm, candidates[chosen][1], data.global_test.x, batch_size), data.global_test.y, ece_bins)
-                results.append(ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val), tuple(test),
-                                            chosen, _pick(test), glob))
+            results.extend(_evaluate_block(algorithm, server, block, data, batch_size, ece_bins, on_global_test))
     return PersonalizedResult(tuple(results), algorithm.candidate_label)
+
+
+def _evaluate_block(algorithm: Algorithm, server: ServerState, block: Block, data: FederatedData, batch_size: int,
+                    ece_bins: int, on_global_test: bool) -> list[ClientResult]:
+    """`evaluate_personalized` of one block of clients: every distinct candidate's logits on the client's
+    selection and test inputs, then all of them scored together (`score_segments`)."""
+    shared = _shared_logits(algorithm, server, block, data, batch_size)
+    runs = []  # (client index, candidates, distinct ids, their logits [C, n, K], selection split, cut)
+    for i, candidates in block:
+        client = data.clients[i]
+        select_on = client.val if len(client.val) else client.train
+        x = torch.cat([select_on.x, client.test.x])  # one forward per candidate for both splits
+        # a candidate that is the very same tensors as an earlier one is neither run nor scored again
+        # (SuPerFed's 11 lam of a client without a local model: at 10,000 clients, scoring them all
+        # took most of the evaluation); the others run together (`predict_many`)
+        distinct = list({id(p): p for _, p in candidates}.values())
+        todo = [p for p in distinct if (i, id(p)) not in shared]
+        logits = dict(zip(map(id, todo), predict_many(algorithm, todo, x, batch_size)))
+        logits.update({id(p): shared.pop((i, id(p))) for p in distinct if (i, id(p)) in shared})
+        runs.append((i, candidates, [id(p) for p in distinct], torch.stack([logits[id(p)] for p in distinct]), select_on, len(select_on)))
+
+    classes = next((r[3].shape[-1] for r in runs if r[3].dim() == 3), 0)  # a client without samples has no [C, 0, K]
+    val = _score_runs([(st[:, :cut], sel.y) for *_, st, sel, cut in runs], classes, None)
+    test = _score_runs([(st[:, cut:], data.clients[i].test.y) for i, _, _, st, _, cut in runs], classes, ece_bins)
+    results = []
+    for (i, candidates, ids, _, _, _), val_of, test_of in zip(runs, val, test):
+        client = data.clients[i]
+        seen = dict(zip(ids, zip(val_of, test_of)))
+        val_scores = [seen[id(p)][0] for _, p in candidates]
+        test_scores = [seen[id(p)][1] for _, p in candidates]
+        chosen = _pick(val_scores)
+        glob = None
+        if on_global_test and len(data.global_test):
+            glob = score(predict(algorithm, candidates[chosen][1], data.global_test.x, batch_size), data.global_test.y, ece_bins)
+        results.append(ClientResult(client.client_id, client.opt_out, tuple(v for v, _ in candidates), tuple(val_scores),
+                                    tuple(test_scores), chosen, _pick(test_scores), glob))
+    return results
+
+
+def _score_runs(runs: list[tuple[torch.Tensor, torch.Tensor]], classes: int, ece_bins: int | None) -> list[list[Scores]]:
+    """For each (logits [C, n, K] of C models, labels [n]): the C models' Scores, all runs scored at once."""
+    if not runs:
+        return []
+    rows = torch.cat([logits.reshape(-1, classes) for logits, _ in runs if logits.numel()] or [torch.empty(0, classes)])
+    ys = torch.cat([y.repeat(len(logits)) for logits, y in runs])
+    flat = iter(score_segments(rows, ys, [len(y) for logits, y in runs for _ in range(len(logits))], ece_bins))
+    return [[next(flat) for _ in range(len(logits))] for logits, _ in runs]
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
