@@ -108,6 +108,37 @@ def test_damaged_or_missing_spilled_state_is_a_corrupt_artifact(tmp_path):
         states[0]
 
 
+def test_a_state_is_read_only_as_its_own_clients_and_earlier_versions_states_still_are(tmp_path):
+    """Objects are safetensors bytes naming their client; one of another client stored under this client's
+    name (its hash made to match) is refused, and so are bytes of neither format. A state that fedpipe's
+    earlier versions wrote with torch.save (format 1) still reads back, so their checkpoints resume."""
+    import hashlib
+    import io
+
+    store = LocalStore(tmp_path)
+    states = make_states(tmp_path, 1)
+    states[0], states[1] = state_of(0), state_of(1)  # 0 spilled by 1
+    key0 = states._entries[0].key
+    assert (tmp_path / key0).read_bytes()[8:9] == b"{"  # a safetensors header, no pickle
+
+    def read_as(client: int, data: bytes) -> dict[str, torch.Tensor]:
+        """`data` stored under `client`'s name with its hash, read back as that client's state."""
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        store.put(PHASE.client_state(client, 0, digest), data)
+        return load_state(store, PHASE.client_state(client, 0, digest), client, digest)
+
+    from fedpipe.engine.client_states import load_state, serialize
+    with pytest.raises(CorruptArtifactError, match="client 5.*holds client '0'"):
+        read_as(5, serialize(0, state_of(0)))
+    for junk in (b"", b"\x05" * 8 + b"{}", b"\x02\x00\x00\x00\x00\x00\x00\x00{}", b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"[" * 16):
+        with pytest.raises(CorruptArtifactError, match="client 2.*not a readable fedpipe client state"):
+            read_as(2, junk)
+    buf = io.BytesIO()
+    torch.save({"format": 1, "client": 3, "params": state_of(3)}, buf)  # as fedpipe wrote it before
+    assert_bitwise(read_as(3, buf.getvalue()), state_of(3))
+    assert_bitwise(read_as(4, serialize(4, state_of(4))), state_of(4))
+
+
 def phase_state(states: ClientStates, round_: int) -> PhaseState:
     return PhaseState("superfed_mm", "p", round_, ServerState({"g": torch.ones(2) * round_}), states)
 

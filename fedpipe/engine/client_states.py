@@ -29,14 +29,18 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import safetensors.torch
 import torch
 import torch.utils.serialization
 
 from fedpipe.algorithms.base import Params
 from fedpipe.errors import CorruptArtifactError, StoreError
+from fedpipe.safe_load import parse_json
 from fedpipe.store.base import Store
 
-FORMAT = 1
+FORMAT = 2  # safetensors; 1 (torch.save) is still read
+#: Most bytes of a client state's safetensors header (its tensors' names, types, shapes and offsets).
+MAX_HEADER_BYTES = 16 * 2**20
 #: Most bytes of states a checkpoint holds inline (beyond it, states are objects and referenced).
 INLINE_MAX_BYTES = 64 * 2**20
 
@@ -214,25 +218,49 @@ class ClientStates(MutableMapping[int, Params]):
 
 
 def serialize(client_id: int, params: Params) -> bytes:
-    """One client's state as torch.save bytes; each tensor on the CPU and holding only its own
-    elements (a view would otherwise drag its whole base storage into the object)."""
-    own = {}
+    """One client's state as safetensors bytes (FORMAT): raw tensor bytes behind a JSON header that names
+    the client, a fifth of torch.save's time and read back without unpickling anything. Each tensor is
+    on the CPU and holds only its own elements (a view would otherwise drag its whole base storage in)."""
+    own, seen = {}, set()
     for name, t in params.items():
         t = t.detach().to("cpu")
-        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        if (t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() in seen):  # safetensors refuses two names on one storage
             t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(t.untyped_storage().data_ptr())
         own[name] = t
-    return saved_bytes({"format": FORMAT, "client": int(client_id), "params": own})
+    return safetensors.torch.save(own, metadata={"fedpipe": "client-state", "format": str(FORMAT), "client": str(int(client_id))})
 
 
 def saved_bytes(obj: object) -> bytes:
     """`torch.save` bytes of `obj` without the zip's CRC32 per record: every object the store holds
-    already has its sha256 checked on read, and the CRC was a third of the time of saving a round's
-    client states (`torch.load` reads such files as any other)."""
+    already has its sha256 checked on read, and the CRC was a third of the time of saving."""
     buf = io.BytesIO()
     with torch.utils.serialization.config.patch(**{"save.compute_crc32": False}):
         torch.save(obj, buf)
     return buf.getvalue()
+
+
+def _parse_state(data: bytes, client_id: int) -> Params:
+    """The tensors of a client-state object of `client_id`; ValueError saying what is wrong otherwise."""
+    if data[:2] == b"PK":  # format 1 (torch.save, a zip): checkpoints of earlier versions still resume
+        d = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if d.get("format") != 1 or int(d["client"]) != int(client_id):
+            raise ValueError(f"it holds client {d.get('client')!r}, format {d.get('format')!r}")
+        params = dict(d["params"])
+        if not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in params.items()):
+            raise ValueError("its entries are not named tensors")
+        return params
+    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 < size <= min(len(data) - 8, MAX_HEADER_BYTES):
+        raise ValueError("it is neither a safetensors file nor a torch.save zip")
+    header = parse_json(data[8 : 8 + size], "its header", "safetensors header", MAX_HEADER_BYTES, CorruptArtifactError)
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("fedpipe") != "client-state" or meta.get("format") != str(FORMAT):
+        raise ValueError("it is not a fedpipe client state")
+    if meta.get("client") != str(int(client_id)):
+        raise ValueError(f"it holds client {meta.get('client')!r}")
+    return safetensors.torch.load(data)  # the library checks the header against the bytes
 
 
 def load_state(store: Store, key: str, client_id: int, digest: str | None, device: torch.device | str = "cpu") -> Params:
@@ -252,12 +280,7 @@ def load_state(store: Store, key: str, client_id: int, digest: str | None, devic
             f"The saved state of client {client_id} ({url}) is damaged: its bytes do not match the hash in its name. {advice}"
         )
     try:
-        d = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-        if d.get("format") != FORMAT or int(d["client"]) != int(client_id):
-            raise ValueError(f"it holds client {d.get('client')!r}, format {d.get('format')!r}")
-        params = dict(d["params"])
-        if not all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in params.items()):
-            raise ValueError("its entries are not named tensors")
+        params = {k: t.to(device) for k, t in _parse_state(data, client_id).items()}
     except Exception as e:  # any unreadable content is a bad artifact
         raise CorruptArtifactError(
             f"The saved state of client {client_id} ({url}) is not a readable fedpipe client state "
