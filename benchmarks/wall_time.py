@@ -131,10 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             rows = []
             for setting in args.settings:
-                for label, code in codes.items():  # interleaved: both versions see the same load
-                    best = min((run_child(code, setting) for _ in range(args.repeat)), key=lambda r: r["wall"])
-                    rows.append({**best, "code": label})
-                    print(f"{setting:9s} {label:22s} wall {best['wall']:6.1f} s, rounds {best['rounds']:6.1f} s", file=sys.stderr)
+                runs: dict[str, list[dict]] = {label: [] for label in codes}
+                for _ in range(args.repeat):  # interleaved run by run: both versions see the same load
+                    for label, code in codes.items():
+                        runs[label].append(run_child(code, setting))
+                        r = runs[label][-1]
+                        print(f"{setting:9s} {label:22s} wall {r['wall']:6.1f} s, rounds {r['rounds']:6.1f} s", file=sys.stderr)
+                rows.extend({**min(found, key=lambda r: r["wall"]), "code": label} for label, found in runs.items())
         finally:
             if args.before != "none":
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", f"{tmp}/before"], check=False)
