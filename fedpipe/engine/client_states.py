@@ -31,7 +31,6 @@ from typing import Protocol
 
 import safetensors.torch
 import torch
-import torch.utils.serialization
 
 from fedpipe.algorithms.base import Params
 from fedpipe.errors import CorruptArtifactError, StoreError
@@ -230,15 +229,6 @@ def serialize(client_id: int, params: Params) -> bytes:
         seen.add(t.untyped_storage().data_ptr())
         own[name] = t
     return safetensors.torch.save(own, metadata={"fedpipe": "client-state", "format": str(FORMAT), "client": str(int(client_id))})
-
-
-def saved_bytes(obj: object) -> bytes:
-    """`torch.save` bytes of `obj` without the zip's CRC32 per record: every object the store holds
-    already has its sha256 checked on read, and the CRC was a third of the time of saving."""
-    buf = io.BytesIO()
-    with torch.utils.serialization.config.patch(**{"save.compute_crc32": False}):
-        torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def _parse_state(data: bytes, client_id: int) -> Params:

@@ -262,14 +262,15 @@ def _confine(root: Path, path: Path, key: str) -> None:
 
 
 def _paths(root: Path, keys) -> dict[str, Path]:
-    """`LocalStore._path` of many keys, each folder resolved once: a path that is not itself a link
-    resolves to its resolved folder plus its name, so it is inside the root when that folder is (a
-    round's 100 client states cost 200 resolutions of a dozen system calls each otherwise)."""
+    """The paths of `keys` under `root`, each and its sidecar confined to the root (`_confine`) with each
+    folder resolved once: a path that is not itself a link resolves to its resolved folder plus its name,
+    so it is inside the root when that folder is (a round's 100 client states cost 200 resolutions of a
+    dozen system calls each otherwise)."""
     inside: dict[Path, bool] = {}
     paths = {}
     for key in keys:
         path = root.joinpath(*validate_key(key).split("/"))
-        for p in (path, path.parent / SIDECAR_DIR / path.name):
+        for p in (path, LocalStore._sidecar(path)):
             if p.parent not in inside:
                 with contextlib.suppress(OSError, RuntimeError):  # a loop: the full check below says so
                     inside[p.parent] = p.parent.resolve().is_relative_to(root)
@@ -320,10 +321,7 @@ class LocalStore(Store):
     # -- paths ---------------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
-        path = self.root.joinpath(*validate_key(key).split("/"))
-        _confine(self.root, path, key)
-        _confine(self.root, self._sidecar(path), key)
-        return path
+        return _paths(self.root, [key])[key]
 
     @staticmethod
     def _sidecar(path: Path) -> Path:
