@@ -31,6 +31,7 @@ from fedpipe.run.run import Run
 from fedpipe.safe_load import parse_json, parse_yaml, read_file, read_store_json
 from fedpipe.store.base import sha256_hex
 from fedpipe.telemetry.progress import log_to_stderr
+from fedpipe.telemetry.release import releasable_row
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +195,15 @@ def partition(config_path: str, manifest_path: str, heatmap_path: str) -> dict:
     run = _prepare(config_path)
     p = run.partition()
     _copy_out(run, run.layout.partition_manifest, manifest_path)
+    sizes = [c.size for c in p.clients]
+    if run.cfg.privacy.enabled:  # each client's label counts and size are client statistics that epsilon does not cover:
+        # the KFP UI (outside the trusted server) gets the count of clients only; the heatmap stays in the run's store
+        Path(heatmap_path).write_text(render_html(f"Partition of {run.layout.run_id}", [
+            "The label heatmap is withheld from the Kubeflow UI: privacy.enabled, and each client's label counts are "
+            "not covered by the privacy guarantee. It is in the run's store (report/partition_heatmap.png)."], {}))
+        return {"clients": len(sizes)}
     png = run.store.get(run.layout.report("partition_heatmap.png"))
     Path(heatmap_path).write_text(render_html(f"Partition of {run.layout.run_id}", [], {"partition_heatmap.png": png}))
-    sizes = [c.size for c in p.clients]
     return {"clients": len(sizes), "min_client_size": min(sizes), "max_client_size": max(sizes)}
 
 
@@ -218,7 +225,10 @@ def _phase_outputs(run: Run, phase: str, state_path: str) -> dict:
     """The pointer to the phase's final state; the metrics of its last round (empty when it has no rounds)."""
     write_pointer(run, run.layout.phase(phase).final, state_path)
     rows = [json.loads(line) for line in _text_or_empty(run, run.layout.rounds(phase)).splitlines() if line.strip()]
-    return rows[-1] if rows else {}
+    if not rows:
+        return {}
+    # the task's KFP metrics leave the trusted server: with privacy on, only the allowlist (no loss, cohort, timing)
+    return releasable_row(rows[-1]) if run.cfg.privacy.enabled else rows[-1]
 
 
 def train_phase(config_path: str, phase: str, manifest_path: str, previous_path: str | None, state_path: str) -> dict:
@@ -270,8 +280,8 @@ def evaluate(config_path: str, manifest_path: str, state_path: str, html_path: s
     summary = run.evaluate()
     images = {
         name: run.store.get(run.layout.report(name))
-        for name in ("accuracy.png", "lam_curve.png", "partition_heatmap.png")
-        if run.store.exists(run.layout.report(name))
+        for name in ("accuracy.png", "lam_curve.png", *(() if run.cfg.privacy.enabled else ("partition_heatmap.png",)))
+        if run.store.exists(run.layout.report(name))  # privacy on: the clients' label counts stay in the store
     }
     clients = _text_or_empty(run, run.layout.report("clients.csv"))
     Path(html_path).write_text(render_html(summary["title"], summary_lines(summary), images, clients_html(clients) if clients else ""))

@@ -379,7 +379,7 @@ class PrivacyConfig(Section):
     adds it to its own clipped update before it leaves, so the server never sees an update without noise (the
     sum then carries sqrt(cohort) times the noise; the epsilon reported is the central one, which it bounds)."""
     delta: float | None = Field(None, gt=0, lt=1)
-    """delta of (epsilon, delta)-DP; None: 1 / (number of clients)^1.1."""
+    """delta of (epsilon, delta)-DP; None: min(1e-5, 0.01 / (number of clients)), far below 1/n (fedpipe.engine.accounting.default_delta)."""
     target_epsilon: float | None = Field(None, gt=0, le=1e4)
     """Privacy budget. With on_target=stop (the default) training stops cleanly after the last round whose
     epsilon stays within it (the run then evaluates and reports as usual); with on_target=calibrate the run
@@ -406,6 +406,13 @@ class PrivacyConfig(Section):
     """False: the noise and the Poisson sample come from the operating system's entropy (needed for the
     guarantee: anyone who knows run.seed could otherwise subtract the noise). True: from run.seed, so a rerun
     computes the same numbers (experiments and tests; no protection against whoever holds the config)."""
+    public_init: bool = False
+    """The starting model (train.init_from) was trained on public data only, so starting from it spends no privacy
+    of this federation's clients. False (the default): a private run refuses to start from a version that was not
+    trained with privacy (its weights may reveal its clients' data, which no epsilon of this run would cover), and
+    starts from a private version by continuing its accountant, so epsilon covers both runs. True lifts the refusal
+    for a version that is not private (its ledger is not composed: your word that it holds no client's data); a
+    private version's ledger is still composed, since its clients' data is in it whatever this flag says."""
 
     @field_validator("delta", "target_epsilon", "clip_count_stddev", mode="before")
     @classmethod

@@ -90,6 +90,26 @@ def _accuracy(summary: dict) -> str:
     return f"personalized {shown(mean)}  global {shown(top1)}"
 
 
+def _privacy(record) -> str:
+    """A version's privacy in a few words: epsilon at delta from its ledger (a record made before records kept one:
+    from its summary), or "not private"."""
+    ledger = record.privacy
+    if ledger is not None:
+        epsilon, delta, rounds, inherited = ledger.epsilon(), ledger.delta, ledger.rounds, ledger.inherited_rounds
+    else:
+        told = record.summary.get("privacy")
+        figures = (told.get("epsilon"), told.get("delta")) if isinstance(told, dict) else (None, None)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in figures):
+            return "not private"
+        (epsilon, delta), rounds, inherited = figures, None, 0
+    if epsilon == float("inf"):
+        return f"not private (epsilon infinite at delta {delta:.3g}: trained without noise)"
+    shown = f"epsilon {epsilon:.3f} at delta {delta:.3g}"
+    if rounds is None:
+        return shown + " (from its summary)"
+    return shown + f" ({ledger.kind}, {rounds} private rounds" + (f", {inherited} of them inherited" if inherited else "") + ")"
+
+
 def _snapshot(snapshot: Optional[dict]) -> str:
     if not snapshot:
         return "bundled data"
@@ -100,7 +120,8 @@ def _snapshot(snapshot: Optional[dict]) -> str:
 @_guarded
 def models_list(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
     """List a line's versions, oldest first: accuracy (the clients' mean personalized accuracy and the global
-    model's, on their test splits), the data snapshot the run read, the gate's decision; * marks the promoted one."""
+    model's, on their test splits), the data snapshot the run read, its epsilon and delta (or "not private"), the
+    gate's decision; * marks the promoted one."""
     line = _model_line(name, store, config, set)
     versions = line.versions()
     if not versions:
@@ -117,15 +138,16 @@ def models_list(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = N
         r = line.record(v)
         decision = r.decision.get("reason") or ("promoted" if r.decision.get("promoted") else "no decision recorded")
         typer.echo(f"{'*' if v == promoted else ' '} v{v:<4} {r.created:<25} {_accuracy(r.summary)}  data {_snapshot(r.data_snapshot)}  "
-                   f"run {r.run_id}  gate: {decision}")
+                   f"{_privacy(r).partition(' (')[0]}  run {r.run_id}  gate: {decision}")
 
 
 @models_app.command("show")
 @_guarded
 def models_show(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", help="The line, and a version (default: the promoted one, else the newest).")],
                 store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
-    """Show one version: its record (run, method, model, data, accuracy, the gate's decision), its clients and
-    the files a server loads (spec.json says how to feed them), and the line's promotion history."""
+    """Show one version: its record (run, method, model, data, accuracy, the gate's decision), its privacy (epsilon
+    and delta of its global model, counting the versions it was warm-started from, and what the guarantee does not
+    cover), its clients and the files a server loads (spec.json says how to feed them), and the line's promotion history."""
     import json
 
     line, version = _line_and_version(ref, store, config, set, default_latest=True)
@@ -138,6 +160,18 @@ def models_show(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", hel
     typer.echo(f"  accuracy     {_accuracy(r.summary)}")
     typer.echo(f"  data         {_snapshot(r.data_snapshot)}{'  ' + str(r.data_snapshot.get('source')) if r.data_snapshot else ''}")
     typer.echo(f"  gate         {json.dumps(r.decision) if r.decision else 'no decision recorded'}")
+    privacy = _privacy(r)
+    typer.echo(f"  privacy      {privacy}")
+    sources = r.privacy.sources if r.privacy is not None else []
+    if len(sources) > 10:
+        typer.echo(f"  inherited    ... {len(sources) - 10} earlier version(s)")
+    for source in sources[-10:]:
+        typer.echo(f"  inherited    {source['rounds']} rounds from {source['from']}")
+    if not privacy.startswith("not private") and r.clients:
+        typer.echo("  NOT covered  the guarantee covers the global model the server released, not this version's personalized "
+                   "models (clients/, and the client states in state.pt): each is its client's own model, trained on its own "
+                   "data without noise, and stored here in the model line by the server. Anyone who can read this line can "
+                   "read them; serve or share them as that client's data.")
     shown = ", ".join(r.clients[:10]) + (f", ... ({len(r.clients)} in all)" if len(r.clients) > 10 else "")
     typer.echo(f"  clients      {shown or 'none'}")
     folder = line.keys.version(version)

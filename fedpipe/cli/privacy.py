@@ -17,7 +17,7 @@ privacy_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(privacy_app, name="privacy")
-ClientsOpt = Annotated[Optional[int], typer.Option("--clients", help="Number of clients n, for the default delta 1/n^1.1 "
+ClientsOpt = Annotated[Optional[int], typer.Option("--clients", help="Number of clients n, for the default delta min(1e-5, 0.01/n) "
                                                    "(default: partition.num_clients of the config; needed when the partition does not say).")]
 PointsOpt = Annotated[int, typer.Option("--points", min=1, max=1000, help="Rounds of the epsilon schedule to print.")]
 
@@ -45,7 +45,7 @@ def plan(config: ConfigOpt = None, overrides: SetOpt = None, clients: ClientsOpt
     n = clients if clients is not None else getattr(cfg.partition, "num_clients", None)
     if n is None:
         raise ConfigError(f"partition.scheme={cfg.partition.scheme} does not say how many clients there are: pass --clients N "
-                          "(the default delta is 1/N^1.1), or set privacy.delta.")
+                          "(the default delta is min(1e-5, 0.01/N)), or set privacy.delta.")
     p = make_plan(cfg, n, points)
     how = f"calibrated to target_epsilon {cfg.privacy.target_epsilon}" if p["calibrated"] else "as configured"
     typer.echo(f"{cfg.method.name}: {p['private_rounds']} private rounds "
@@ -62,7 +62,7 @@ def plan(config: ConfigOpt = None, overrides: SetOpt = None, clients: ClientsOpt
             raise ConfigError(f"{e}.") from None
         typer.echo(f"  adaptive clip     from {p['clip']:g} towards the {cfg.privacy.target_quantile:g} quantile of the update norms; "
                    f"count noise std {adaptive.count_std:.4g}, so the updates carry noise multiplier {adaptive.update_sigma:.4f}")
-    typer.echo(f"  delta             {p['delta']:.3g}" + ("" if cfg.privacy.delta is not None else f" (1/{n}^1.1)"))
+    typer.echo(f"  delta             {p['delta']:.3g}" + ("" if cfg.privacy.delta is not None else f" (min(1e-5, 0.01/{n}))"))
     typer.echo(f"  accountant        {p['accountant']} (Opacus), Poisson sampling")
     typer.echo("  round  epsilon")
     for r, eps in p["schedule"]:

@@ -142,6 +142,42 @@ class DataConfig(Section):
     Leave it unset: fedpipe fills it in when the run starts, so it enters the run's id (new data is a
     new run, the same data resumes the same run) and a later step refuses data that changed since."""
 
+    standardisation: Literal["auto", "pooled", "fixed"] = "auto"
+    """How image channels and table columns are standardised, in training and inside exported models. pooled: with
+    the exact mean and std of all opt-in clients' pooled training data (a release of their data that the privacy
+    accountant does not count: refused with privacy.enabled). fixed: with constants no client's data shaped:
+    input_mean and input_std when declared, else images (x / 255 - 0.5) / 0.5 per channel and table columns as they
+    are. auto: fixed with privacy.enabled or declared constants, else pooled. spec.json's normalisation.source
+    records which (pooled, fixed or declared)."""
+
+    input_mean: tuple[float, ...] | None = Field(None, min_length=1, max_length=100_000)  # a files table's most columns
+    """Declared means, one per image channel (on the 0..1 scale, e.g. ImageNet's [0.485, 0.456, 0.406]) or per table
+    column, with input_std: public or domain constants, never statistics of the clients' data."""
+
+    input_std: tuple[float, ...] | None = Field(None, min_length=1, max_length=100_000)
+    """Declared standard deviations (positive), one per channel or column, as input_mean."""
+
+    @model_validator(mode="after")
+    def _declared_constants(self) -> DataConfig:
+        mean, std = self.input_mean, self.input_std
+        if mean is None and std is None:
+            return self
+        if mean is None or std is None or len(mean) != len(std):
+            raise ValueError("data.input_mean and data.input_std declare one mean and one std per channel or column: set "
+                             f"both, of the same length (given: {len(mean or ())} and {len(std or ())} values)")
+        if not all(np.isfinite(mean)) or not all(np.isfinite(s) and s > 0 for s in std):
+            raise ValueError("data.input_mean must be finite numbers and data.input_std finite numbers above 0")
+        if self.standardisation == "pooled":
+            raise ValueError("data.input_mean and data.input_std are declared, but data.standardisation=pooled computes the "
+                             "constants from the clients' data and would ignore them: set data.standardisation=fixed, or "
+                             "leave them out")
+        info = DATASETS.get(self.dataset)  # a bundled dataset's channels are known now; files are checked once loaded
+        if info is not None and (info.is_text or len(mean) != info.input_shape[0]):
+            raise ValueError(f"data.input_mean and data.input_std declare {len(mean)} values, but {self.dataset} " + (
+                "holds token sequences, which are never standardised: leave them out" if info.is_text
+                else f"has {info.input_shape[0]} channel(s): declare one value per channel"))
+        return self
+
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, name: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 from fedpipe.data import DatasetBundle, LabeledArrays, is_table_shape
 from fedpipe.data.partition import Partition
 from fedpipe.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,35 @@ class FederatedData:
         return FederatedData(clients, glob, self.num_classes, self.input_shape, self.client_names)
 
 
+#: Where the constants that standardise raw inputs come from (data.standardisation; spec.json's normalisation.source).
+POOLED, FIXED, DECLARED = "pooled", "fixed", "declared"
+#: The data-independent image standardisation: (x / 255 - 0.5) / 0.5 per channel, pixels onto [-1, 1] (the
+#: PyTorch tutorials' transforms.Normalize((0.5,), (0.5,))). It reads no client's data, so it releases nothing.
+FIXED_IMAGE_MEAN = FIXED_IMAGE_STD = 0.5
+
+
+@dataclass(frozen=True)
+class Standardisation:
+    """Where the mean and std that standardise raw inputs come from (`RunConfig.standardisation` resolves it):
+
+    - pooled: computed exactly from the opt-in clients' pooled training data (images per channel, tables per
+      column). Removing one client changes them, and every model and exported file carries them: a release of
+      the clients' data that no privacy accountant counts, so a private run refuses it (fedpipe.run.config).
+    - fixed: data-independent: images (x / 255 - 0.5) / 0.5 per channel, tables as they are (mean 0, std 1).
+    - declared: the user's own constants, `mean` and `std` per channel (images, on the 0..1 scale) or per column.
+    Token sequences (text) are never standardised, whatever the source."""
+
+    source: str = POOLED
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in (POOLED, FIXED, DECLARED):
+            raise ValueError(f"standardisation source must be {POOLED}, {FIXED} or {DECLARED}, not {self.source!r}")
+        if (self.source == DECLARED) != (self.mean is not None and self.std is not None):
+            raise ValueError("declared standardisation takes a mean and a std; pooled and fixed take neither")
+
+
 def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and std of uint8 images, on the 0..1 scale."""
     flat = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1).astype(np.float64) / 255.0
@@ -73,20 +105,23 @@ FEATURE_SHIFTS = {
 CLIENTS_PER_BLOCK = 256
 
 
-def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:
-    """Apply each client's feature shift, standardise images with the training pixels' statistics of
-    the clients that take part in federation (opt-out clients' data must not shape anything shared),
-    and move everything to `device`. Token sequences (text) go to the device as int64 ids, untouched.
+def prepare_data(bundle: DatasetBundle, partition: Partition, device: torch.device,
+                 standardisation: Standardisation = Standardisation()) -> FederatedData:
+    """Apply each client's feature shift, standardise images as `standardisation` says (pooled: with the
+    training pixels' statistics of the clients that take part in federation, since opt-out clients' data must
+    not shape anything shared; fixed or declared: with constants no client's data shaped), and move
+    everything to `device`. Token sequences (text) go to the device as int64 ids, untouched.
 
     Each client's raw pixels are gathered only when its tensors are made, so what stays in memory
     is the float tensors the clients train on (at 10,000 clients sharing samples, holding every
     client's raw copy and a float64 copy of all training pixels at once took ~3 GiB more)."""
     if bundle.is_text:
+        _nothing_declared_for_text(bundle, standardisation)
         return _prepare_text(bundle, partition, device)
     if is_table_shape(bundle.input_shape):
-        return _prepare_table(bundle, partition, device)
+        return _prepare_table(bundle, partition, device, standardisation)
 
-    mean, std = _standardisation(bundle, partition, _raw_images)
+    _, mean, std = input_standardisation(bundle, partition, standardisation)
     mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
 
@@ -121,15 +156,49 @@ def _raw_images(arrays: LabeledArrays, rows: np.ndarray | None, transform: str |
     return (FEATURE_SHIFTS[transform](x) if transform else x), y
 
 
-def input_standardisation(bundle: DatasetBundle, partition: Partition) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+def input_standardisation(bundle: DatasetBundle, partition: Partition, standardisation: Standardisation = Standardisation(),
+                          ) -> tuple[str, np.ndarray | None, np.ndarray | None]:
     """(kind, mean, std) of what `prepare_data` does to raw inputs, computed as it computes them (float64):
     ("image", per channel, on the 0..1 scale: (x / 255 - mean) / std), ("table", per column: (x - mean) / std)
-    or ("text", None, None: token ids as they are). A model served on raw inputs applies the same (as float32)."""
+    or ("text", None, None: token ids as they are). A model served on raw inputs applies the same (as float32).
+    Only a pooled `standardisation` reads the clients' data."""
     if bundle.is_text:
+        _nothing_declared_for_text(bundle, standardisation)
         return "text", None, None
-    if is_table_shape(bundle.input_shape):
-        return ("table", *_table_standardisation(bundle, partition))
-    return ("image", *_standardisation(bundle, partition, _raw_images))
+    table = is_table_shape(bundle.input_shape)
+    kind, width, what = ("table", bundle.input_shape[0], "column") if table else ("image", bundle.input_shape[0], "channel")
+    if standardisation.source == POOLED:
+        return (kind, *(_table_standardisation(bundle, partition) if table else _standardisation(bundle, partition, _raw_images)))
+    if standardisation.source == DECLARED:
+        mean, std = np.asarray(standardisation.mean, dtype=np.float64), np.asarray(standardisation.std, dtype=np.float64)
+        if mean.shape != (width,) or std.shape != (width,):
+            raise DataError(f"data.input_mean and data.input_std declare {mean.size} mean(s) and {std.size} std(s), but {bundle.name} "
+                            f"has {width} {what}s: declare one mean and one std per {what}, in the data's {what} order.")
+        return kind, mean, std
+    if table:  # fixed: no table-wide constant suits every column, so the features go in as they are
+        _warn_unscaled_table(bundle.name)
+        return kind, np.zeros(width), np.ones(width)
+    return kind, np.full(width, FIXED_IMAGE_MEAN), np.full(width, FIXED_IMAGE_STD)
+
+
+def _nothing_declared_for_text(bundle: DatasetBundle, standardisation: Standardisation) -> None:
+    if standardisation.source == DECLARED:
+        raise DataError(f"data.input_mean and data.input_std declare standardisation constants, but {bundle.name} holds token "
+                        "sequences, which are never standardised: leave them out.")
+
+
+_warned_tables: set[str] = set()
+
+
+def _warn_unscaled_table(name: str) -> None:
+    """Once per dataset and process: fixed standardisation leaves a table's columns unscaled, which trains poorly
+    when they lie on very different scales (an income beside an age)."""
+    if name not in _warned_tables:
+        _warned_tables.add(name)
+        log.warning("data.standardisation is fixed (as auto picks with privacy.enabled): the columns of %s go in unscaled, "
+                    "since their pooled mean and std would be a release of the clients' data outside the privacy accountant. If "
+                    "the columns lie on very different scales, declare data.input_mean and data.input_std (one value per "
+                    "column: public ranges or domain standards, never statistics of the clients' data).", name)
 
 
 def _standardisation(bundle: DatasetBundle, partition: Partition, raw) -> tuple[np.ndarray, np.ndarray]:
@@ -168,11 +237,12 @@ def _no_feature_shift(bundle: DatasetBundle, partition: Partition, what: str, in
         )
 
 
-def _prepare_table(bundle: DatasetBundle, partition: Partition, device: torch.device) -> FederatedData:
-    """Numeric features standardised per column with the opt-in clients' training rows (as images are
-    per channel: opt-out clients' data must not shape anything shared), float32 on `device`."""
+def _prepare_table(bundle: DatasetBundle, partition: Partition, device: torch.device, standardisation: Standardisation) -> FederatedData:
+    """Numeric features standardised per column as `standardisation` says (pooled: with the opt-in clients'
+    training rows, as images are per channel: opt-out clients' data must not shape anything shared), float32
+    on `device`."""
     _no_feature_shift(bundle, partition, "numeric features", "leave partition.feature_shift empty for tables")
-    mean, std = _table_standardisation(bundle, partition)
+    _, mean, std = input_standardisation(bundle, partition, standardisation)
     mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
 
     return _gathered(bundle, partition, device, lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).sub_(mean_t).div_(std_t))

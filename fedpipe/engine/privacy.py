@@ -20,16 +20,26 @@ A sample-weighted mean would let a client with many samples move the model furth
 with privacy every client counts once.
 
 Adaptive clipping (`privacy.adaptive_clip`; Andrew, Thakkar, McMahan and Ramaswamy 2021, Algorithm 1): after
-each round the server releases the count of clients whose update norm was within C, with noise
-N(0, sigma_b^2), as the fraction b~ = (sum_k 1[||Delta_k|| <= C] + N(0, sigma_b^2)) / (q W), and moves
-C <- C * exp(-eta_C (b~ - gamma)) (the geometric update) towards the gamma-quantile of the norms. Two
-Gaussian releases per round then cost what one at noise multiplier sigma costs when the updates' own
-multiplier is sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2) (their Theorem 1; the count's sensitivity is
-1/2 after centring the bits), so the accountant keeps counting sigma and the updates carry sigma_Delta * C.
+each round the server releases the count of clients whose update norm was within C, each bit centred
+(1[||Delta_k|| <= C] - 1/2, as TF Privacy's QuantileEstimatorQuery does), with noise N(0, sigma_b^2):
+b~ = (sum_k (1[||Delta_k|| <= C] - 1/2) + N(0, sigma_b^2)) / (q W) + 1/2, and moves
+C <- C * exp(-eta_C (b~ - gamma)) (the geometric update) towards the gamma-quantile of the norms. Centred,
+one client added or removed moves the released sum by exactly 1/2, the sensitivity their Theorem 1 assumes:
+two Gaussian releases per round then cost what one at noise multiplier sigma costs when the updates' own
+multiplier is sigma_Delta = (sigma^-2 - (2 sigma_b)^-2)^(-1/2), so the accountant keeps counting sigma and the
+updates carry sigma_Delta * C. (An uncentred count has sensitivity 1 and would need (sigma_b)^-2 in place of
+(2 sigma_b)^-2: the round would then cost more than the accountant counts.)
+
+Every draw (the sample, the central, local and count noise) comes from a generator keyed by (purpose, round,
+client) under the run's secret (`privacy_secret`, persisted by the run before its first release): a round
+replayed after a crash between its report and its checkpoint draws the same sample and the same noise, so it
+repeats its release instead of releasing the round a second time with fresh noise (which the ledger, counting
+the round once, would not cover).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 
@@ -39,19 +49,33 @@ from fedpipe.algorithms.aggregation import Params
 from fedpipe.config import PrivacyConfig
 from fedpipe.seeding import torch_generator
 
+#: Bytes of a run's noise secret (256 bits, from the operating system's entropy)
+SECRET_BYTES = 32
 
-def _generator(cfg: PrivacyConfig, seed: int, *key) -> torch.Generator:
-    """Seeded by (run seed, key) with `seeded_noise`, else from the operating system's entropy."""
+
+def new_secret() -> bytes:
+    """A run's noise secret: drawn once, persisted by the run before its first release."""
+    return os.urandom(SECRET_BYTES)
+
+
+def _generator(cfg: PrivacyConfig, seed: int, secret: bytes | None, *key) -> torch.Generator:
+    """The generator of one draw, named by `key` (purpose, round, client): seeded by (run seed, key) with
+    `seeded_noise` (reproducible, not private); else by SHA-256 of (the run's secret, key), so a replayed round
+    draws what it drew the first time while nobody without the secret can; with no secret (a bare `Privacy`
+    outside a run), from the operating system's entropy."""
     if cfg.seeded_noise:
         return torch_generator(seed, *key)
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+    if secret is None:
+        return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+    digest = hashlib.sha256(secret + repr(tuple(key)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def poisson_sample(pool: list[int], q: float, cfg: PrivacyConfig, seed: int, round_: int) -> list[int]:
+def poisson_sample(pool: list[int], q: float, cfg: PrivacyConfig, seed: int, round_: int, secret: bytes | None = None) -> list[int]:
     """Each client of `pool` independently with probability q (the round may be empty)."""
     if q >= 1:
         return list(pool)
-    draws = torch.rand(len(pool), generator=_generator(cfg, seed, "poisson", round_), dtype=torch.float64)
+    draws = torch.rand(len(pool), generator=_generator(cfg, seed, secret, "poisson", round_), dtype=torch.float64)
     return sorted(c for c, u in zip(pool, draws.tolist()) if u < q)
 
 
@@ -87,10 +111,11 @@ def gaussian_like(params: Params, std: float, generator: torch.Generator) -> Par
 
 class Privacy:
     """The `privacy` section at work in one phase: `privatize` on the client side, `aggregate` on the
-    server's. `eligible` is W, the number of clients that may join the phase's rounds; `q` their sample rate."""
+    server's. `eligible` is W, the number of clients that may join the phase's rounds; `q` their sample rate;
+    `secret` the run's noise secret (`new_secret`; None: fresh entropy for every draw)."""
 
-    def __init__(self, cfg: PrivacyConfig, seed: int, q: float, eligible: int):
-        self.cfg, self.seed, self.q, self.eligible = cfg, seed, q, eligible
+    def __init__(self, cfg: PrivacyConfig, seed: int, q: float, eligible: int, secret: bytes | None = None):
+        self.cfg, self.seed, self.q, self.eligible, self.secret = cfg, seed, q, eligible, secret
         self.keys: list[str] | None = None  # the names uploaded in this phase (learnt from its first upload)
         self.clip = cfg.clip  # C of the current round (moves with adaptive_clip; kept in the ledger for a resume)
         self.count_std = cfg.clip_count_stddev if cfg.clip_count_stddev is not None else max(q * eligible, 1.0) / 20
@@ -111,16 +136,26 @@ class Privacy:
             return self.sigma
         return (self.sigma ** -2 - (2 * self.count_std) ** -2) ** -0.5
 
+    def generator(self, *key) -> torch.Generator:
+        """The generator of the draw named by `key` (see `_generator`)."""
+        return _generator(self.cfg, self.seed, self.secret, *key)
+
+    def noised_count(self, norms: list[float], round_: int) -> float:
+        """What adaptive clipping releases of a round: sum_k (1[||Delta_k|| <= C] - 1/2) + N(0, sigma_b^2). The bits
+        are centred (TF Privacy's QuantileEstimatorQuery: "a single value in {-0.5, 0.5}"), so adding or removing
+        one client moves the sum by 1/2: the sensitivity Andrew et al. 2021's Theorem 1 (and `update_sigma`) assume."""
+        within = sum((1.0 if n <= self.clip else 0.0) - 0.5 for n in norms)
+        if self.sigma > 0:  # no noise on the count either when the updates carry none (no guarantee to keep)
+            within += float(torch.normal(0.0, self.count_std, size=(1,), generator=self.generator("dp-count", round_), dtype=torch.float64))
+        return within
+
     def adapt(self, norms: list[float], round_: int) -> float:
         """The clip after a round whose clients' update norms (before clipping) were `norms`: the geometric update
-        of Andrew et al. 2021, Algorithm 1, on the noised fraction of clients within the clip. Returns the new C."""
+        of Andrew et al. 2021, Algorithm 1, on the noised fraction of clients within the clip,
+        b~ = noised_count / (q W) + 1/2 (the centring undone after the fixed denominator). Returns the new C."""
         if not self.cfg.adaptive_clip:
             return self.clip
-        within = float(sum(n <= self.clip for n in norms))
-        if self.sigma > 0:  # no noise on the count either when the updates carry none (no guarantee to keep)
-            within += float(torch.normal(0.0, self.count_std, size=(1,), generator=_generator(self.cfg, self.seed, "dp-count", round_),
-                                         dtype=torch.float64))
-        fraction = within / max(self.q * self.eligible, 1e-12)
+        fraction = self.noised_count(norms, round_) / max(self.q * self.eligible, 1e-12) + 0.5
         self.clip = self.clip * math.exp(-self.cfg.clip_lr * (fraction - self.cfg.target_quantile))
         return self.clip
 
@@ -131,7 +166,7 @@ class Privacy:
         clipped, norms = clip_updates(updates, self.clip, self.cfg.per_layer)
         if self.cfg.mode == "local" and self.sigma > 0:
             for cid, update in zip(client_ids, clipped):
-                noise = gaussian_like(update, self.sigma * self.clip, _generator(self.cfg, self.seed, "dp-local", round_, cid))
+                noise = gaussian_like(update, self.sigma * self.clip, self.generator("dp-local", round_, cid))
                 for k in update:
                     update[k] = update[k] + noise[k]
         return clipped, norms
@@ -151,7 +186,7 @@ class Privacy:
         self.keys = list(summed)
         total = dict(summed)
         if self.cfg.mode == "central" and self.sigma > 0:
-            noise = gaussian_like(total, self.update_sigma * self.clip, _generator(self.cfg, self.seed, "dp-central", round_))
+            noise = gaussian_like(total, self.update_sigma * self.clip, self.generator("dp-central", round_))
             total = {k: v + noise[k] for k, v in total.items()}
         return {k: (global_params[k].to(torch.float64) + v.to(global_params[k].device) / denominator).to(global_params[k].dtype)
                 for k, v in total.items()}

@@ -14,7 +14,7 @@ import torch
 from fedpipe.algorithms.base import Algorithm, Phase, Upload
 from fedpipe.config import TrainConfig
 from fedpipe.data.federated import FederatedData
-from fedpipe.engine.accounting import Ledger, default_delta
+from fedpipe.engine.accounting import Ledger, default_delta, epsilon_against_server
 from fedpipe.engine.clients import ClientOutcome, ClientWork, payload_bytes
 from fedpipe.engine.privacy import Privacy, poisson_sample, sum_updates
 from fedpipe.engine.state import PhaseState
@@ -43,7 +43,7 @@ def select_clients(data: FederatedData, phase: Phase, fraction: float, seed: int
     if not phase.sample_clients:
         return pool
     if privacy is not None and phase.communicates:
-        return poisson_sample(pool, fraction, privacy.cfg, privacy.seed, round_)
+        return poisson_sample(pool, fraction, privacy.cfg, privacy.seed, round_, privacy.secret)
     m = min(len(pool), max(1, round(fraction * data.num_clients)))
     order = torch.randperm(len(pool), generator=torch_generator(seed, "sample", round_))
     return sorted(pool[i] for i in order[:m].tolist())
@@ -126,9 +126,11 @@ def ledger_of(privacy: Privacy, state: PhaseState, data: FederatedData) -> Ledge
 
 def within_budget(privacy: Privacy, state: PhaseState, data: FederatedData, round_: int) -> bool:
     """Whether round `round_` may run: always without privacy.target_epsilon; else only when the epsilon after
-    it stays within the target (once a round would exceed it, no later communicating round runs either)."""
+    it stays within the target (once a round would exceed it, no later communicating round runs either). With
+    on_target=calibrate too, as a backstop: calibration plans this run's rounds, while a warm start's inherited
+    rounds (`train.init_from`) are spent already, so such a run stops at the target instead of passing it."""
     target = privacy.cfg.target_epsilon
-    if target is None or privacy.cfg.on_target != "stop":
+    if target is None:
         return True
     ledger = ledger_of(privacy, state, data)
     if ledger.stopped_at is None and ledger.epsilon_after(privacy.sigma, privacy.q) <= target:
@@ -209,4 +211,7 @@ def _aggregate_private(algorithm: Algorithm, privacy: Privacy, data: FederatedDa
     if privacy.cfg.adaptive_clip:
         ledger.clip = privacy.adapt(norms, round_)
     result.extra["epsilon"] = ledger.epsilon()
+    if privacy.cfg.mode == "local":  # against the server, which sees each noised update and who sent it
+        result.extra["epsilon_against_server"] = epsilon_against_server(ledger.kind, ledger.history, ledger.delta)
     result.extra["privacy_delta"] = ledger.delta
+    result.extra["privacy_noise_multiplier"] = privacy.sigma  # the accountant's sigma (fixed by the config, or calibrated from it)

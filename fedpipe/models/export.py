@@ -9,6 +9,9 @@ whose softmax is the same probabilities):
     tables   float32 [N, F], the raw feature values                           -> (x - mean) / std per column
     text     int64   [N, T], token ids (PAD 0, UNK 1, right-padded)           -> as they are
 
+spec.json's normalisation block records the mean and std baked in and their source (`data.standardisation`):
+pooled (the clients' pooled training data), fixed (data-independent) or declared (the run config's constants).
+
 It is saved with `torch.export` (a .pt2 archive: `torch.export.load(f).module()`); where a method's network
 cannot be exported, with `torch.jit.trace` (TorchScript: `torch.jit.load(f)`), and `spec.json` says which
 per file. fedpipe loads such a file back (`load_exported`: `fedpipe predict`, and each exporter's own check) only
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from fedpipe.algorithms.base import Algorithm, Params
-from fedpipe.data.federated import input_standardisation, prepare_data
+from fedpipe.data.federated import DECLARED, FIXED, POOLED, input_standardisation, prepare_data
 from fedpipe.engine.evaluation import eval_mode, evaluate_personalized
 from fedpipe.errors import ArtifactSignatureError, CorruptArtifactError, FedpipeError
 from fedpipe.models.safe_pt2 import checked_pt2
@@ -66,6 +69,12 @@ NORMALISATION = {
     "image": "(x / 255 - mean[c]) / std[c] per channel c (baked into the model)",
     "table": "(x - mean[f]) / std[f] per feature column f (baked into the model)",
     "text": "none",
+}
+#: normalisation.source in spec.json: where the baked-in mean and std come from (`data.standardisation`).
+NORMALISATION_SOURCES = {
+    POOLED: "computed exactly from the opt-in clients' pooled training data (not covered by differential privacy)",
+    FIXED: "data-independent constants: images (x / 255 - 0.5) / 0.5, table columns as they are",
+    DECLARED: "constants declared in the run's config (data.input_mean, data.input_std)",
 }
 
 
@@ -263,6 +272,7 @@ class ServingSpec:
     clients: dict[str, ServedFile] = field(default_factory=dict)  # by client name (natural partitions) or id
     candidate_label: str | None = None
     vocab_size: int | None = None
+    normalisation_source: str | None = None  # pooled, fixed or declared (NORMALISATION_SOURCES); None: text, or a spec of before
 
     def to_json(self) -> dict:
         dtype = "int64" if self.input_kind == "text" else "float32"
@@ -270,7 +280,8 @@ class ServingSpec:
             "format": SPEC_FORMAT, "run_id": self.run_id, "method": self.method, "model": self.model,
             "input": {"kind": self.input_kind, "shape": ["N", *self.input_shape], "dtype": dtype, "raw": RAW_INPUT[self.input_kind],
                       "vocab_size": self.vocab_size},
-            "normalisation": {"applied": NORMALISATION[self.input_kind], "mean": _floats(self.mean), "std": _floats(self.std)},
+            "normalisation": {"applied": NORMALISATION[self.input_kind], "mean": _floats(self.mean), "std": _floats(self.std),
+                              "source": self.normalisation_source, "source_detail": NORMALISATION_SOURCES.get(self.normalisation_source)},
             "output": "scores [N, classes] whose softmax gives the class probabilities (logits; a mixture's log-probabilities)",
             "labels": list(self.labels), "candidate_label": self.candidate_label,
             "global_model": None if self.global_model is None else self.global_model.to_json(),
@@ -324,6 +335,9 @@ def _spec_of(tree: Any) -> ServingSpec:
     inp, norm = tree["input"], tree["normalisation"]
     if inp["kind"] not in RAW_INPUT:
         raise ValueError(f"unknown input kind {inp['kind']!r}")
+    source = norm.get("source")  # absent from the specs exported before it was recorded
+    if source is not None and source not in NORMALISATION_SOURCES:
+        raise ValueError(f"unknown normalisation source {source!r} (known: {', '.join(NORMALISATION_SOURCES)})")
     shape = tuple(int(d) for d in inp["shape"][1:])
     glob = tree.get("global_model")
     return ServingSpec(
@@ -332,7 +346,7 @@ def _spec_of(tree: Any) -> ServingSpec:
         std=None if norm.get("std") is None else tuple(float(v) for v in norm["std"]),
         labels=tuple(str(v) for v in tree["labels"]), global_model=None if glob is None else _file_of(glob),
         clients={str(name): _file_of(f) for name, f in tree["clients"].items()}, candidate_label=tree.get("candidate_label"),
-        vocab_size=inp.get("vocab_size"),
+        vocab_size=inp.get("vocab_size"), normalisation_source=source,
     )
 
 
@@ -381,7 +395,8 @@ def export_run(run: Run) -> tuple[dict[str, bytes], ServingSpec, tuple[str, ...]
     state = run.checkpoints(run.phases()[-1].name).load_final(cpu)
     algorithm, _ = run.build_algorithm(cpu)
     partition = run.load_partition()
-    kind, mean, std = input_standardisation(run.bundle, partition)
+    chosen = run.cfg.standardisation()  # the run's own choice: its models were trained on inputs standardised so
+    kind, mean, std = input_standardisation(run.bundle, partition, chosen)
     normalisation = None if kind == "text" else (mean, std)
     example = _example(run.bundle)
     exported: dict[str, Exported] = {}  # by the parameters' digest: clients with the very same model export once
@@ -399,7 +414,7 @@ def export_run(run: Run) -> tuple[dict[str, bytes], ServingSpec, tuple[str, ...]
         e = export(glob)
         global_file = ServedFile("global" + SUFFIX[e.format], e.format, e.exporter)
         files[global_file.file] = e.data
-    data = prepare_data(run.bundle, partition, cpu)
+    data = prepare_data(run.bundle, partition, cpu, chosen)
     result = evaluate_personalized(algorithm, state.server, state.clients, data, run.cfg.eval.batch_size, run.cfg.eval.ece_bins,
                                    candidates=run.cfg.eval.candidates)
     names = [partition.client_names[c.client_id] if partition.client_names else str(c.client_id) for c in result.clients]
@@ -413,7 +428,8 @@ def export_run(run: Run) -> tuple[dict[str, bytes], ServingSpec, tuple[str, ...]
     shape = (int(bundle.train.x.shape[1]),) if kind == "text" else tuple(int(d) for d in bundle.input_shape)
     spec = ServingSpec(run.layout.run_id, run.cfg.method.name, run.cfg.model_name(bundle.input_shape), kind, shape,
                        None if mean is None else tuple(np.float32(mean).tolist()), None if std is None else tuple(np.float32(std).tolist()),
-                       tuple(bundle.class_names), global_file, clients, algorithm.candidate_label, bundle.vocab_size)
+                       tuple(bundle.class_names), global_file, clients, algorithm.candidate_label, bundle.vocab_size,
+                       None if kind == "text" else chosen.source)
     files[SPEC_FILE] = spec.to_bytes()
     log.info("Exported %s: %s", run.layout.run_id, ", ".join(sorted({f"{e.exporter} ({e.format})" for e in exported.values()})))
     return files, spec, tuple(names)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from fedpipe.engine.accounting import Ledger
 from fedpipe.errors import ConfigError, CorruptArtifactError, StoreError
 from fedpipe.safe_load import MAX_RECORD_BYTES, check_size, parse_json, read_store_json
 from fedpipe.store.base import Store, sha256_hex, validate_key
@@ -136,11 +137,15 @@ class VersionRecord:
     decision: dict = field(default_factory=dict)  # the gate's: promoted (bool), reason, figures
     created: str = ""  # ISO time
     files: dict = field(default_factory=dict)  # file -> sha256 at registration: a file changed since is refused
+    # the accountant of the run's global model (privacy.enabled; None: trained without differential privacy): what
+    # `fedpipe models` shows; state.pt holds the same ledger, which a warm start composes (fedpipe.models.warm)
+    privacy: Ledger | None = None
 
     def to_json(self) -> dict:
         return {"format": RECORD_FORMAT, "version": self.version, "run_id": self.run_id, "spec": self.spec.to_json(),
                 "config_yaml": self.config_yaml, "data_snapshot": self.data_snapshot, "summary": self.summary,
-                "clients": list(self.clients), "decision": self.decision, "created": self.created, "files": self.files}
+                "clients": list(self.clients), "decision": self.decision, "created": self.created, "files": self.files,
+                "privacy": None if self.privacy is None else self.privacy.to_json()}
 
     @classmethod
     def from_json(cls, tree: Any, where: str) -> VersionRecord:
@@ -159,7 +164,7 @@ class VersionRecord:
                    spec=ModelSpec.from_json(tree.get("spec"), where), config_yaml=_typed(tree, "config_yaml", str, where),
                    data_snapshot=snapshot, summary=_typed(tree, "summary", dict, where), clients=tuple(clients),
                    decision=_typed(tree, "decision", dict, where), created=_typed(tree, "created", str, where),
-                   files=_file_hashes(tree.get("files", {}), where))
+                   files=_file_hashes(tree.get("files", {}), where), privacy=_ledger(tree.get("privacy"), where))
 
 
 @dataclass(frozen=True)
@@ -477,6 +482,17 @@ def _file_hashes(value: Any, where: str) -> dict:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64 for k, v in value.items()):
         raise _bad(where, "the field 'files' is not an object of file -> sha256")
     return value
+
+
+def _ledger(value: Any, where: str) -> Ledger | None:
+    """A record's privacy ledger, checked as `Ledger.from_json` checks one (None: the version is not private, or was
+    registered before records carried it)."""
+    if value is None:
+        return None
+    try:
+        return Ledger.from_json(value)
+    except (ValueError, TypeError, KeyError) as e:
+        raise _bad(where, f"the field 'privacy' is not a privacy ledger ({e})") from None
 
 
 def _number(name: str, version: Any) -> int:

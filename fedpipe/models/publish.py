@@ -31,6 +31,7 @@ import os
 from pydantic import ValidationError
 
 from fedpipe.config import format_validation_error, refuse_url_credentials
+from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.models.drop_check import EVALUATION_FILE
@@ -38,6 +39,7 @@ from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export
 from fedpipe.models.gate import decide, settings_of
 from fedpipe.models.hub import sync_promoted
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
+from fedpipe.run.privacy import delta_of
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
 from fedpipe.safe_load import MAX_RECORD_BYTES, read_store_json
@@ -68,11 +70,12 @@ def publish(run: Run) -> dict:
         if record is None:
             decision = decide(run, line, registry)  # may raise: then nothing is registered
             files, _, clients = export_run(run)  # clients: names in the order of their ids (what a warm start maps by)
-            files = {**files, STATE_FILE: final_state_bytes(run), EVALUATION_FILE: decision.evaluation}
+            state = final_state(run)
+            files = {**files, STATE_FILE: state.to_bytes(), EVALUATION_FILE: decision.evaluation}
             data = run.cfg.data
             snapshot = run.bundle.snapshot or ({"source": data.source, "digest": data.snapshot} if data.snapshot else None)
             record = line.register(VersionRecord(0, run.layout.run_id, ModelSpec.of_run(run), run.cfg.to_yaml(), snapshot, summary,
-                                                 tuple(clients), decision.to_json()), files)
+                                                 tuple(clients), decision.to_json(), privacy=state.privacy), files)
             log.info("Model line %r: registered run %s as version %d.", line.name, run.layout.run_id, record.version)
         finish_promotion(line, record)
         result = outcome(line, record)
@@ -166,12 +169,18 @@ def finish_promotion(line: ModelLine, record: VersionRecord) -> None:
     log.info("Model line %r: version %d promoted (%s).", line.name, record.version, record.decision.get("reason"))
 
 
-def final_state_bytes(run: Run) -> bytes:
-    """The run's final state with every client's state inline (a version is read without the run's folder)."""
+def final_state(run: Run) -> PhaseState:
+    """The run's final state with every client's state inline (a version is read without the run's folder), and the
+    accountant its training spent (a version keeps it: what a private warm start from it composes). A private run
+    whose phases released nothing (Local, which never communicates) gets an empty ledger, epsilon 0: it is private,
+    not a version that a private run must refuse to start from. A run without privacy gets none, whatever ledger a
+    warm start brought it: its rounds were not accounted."""
     state = run.checkpoints(run.phases()[-1].name).load_final("cpu")
-    inline = PhaseState(state.method, state.phase, state.round, state.server, dict(state.clients.items()), state.config_fingerprint,
-                        privacy=state.privacy)  # a version keeps the epsilon its training spent
-    return inline.to_bytes()
+    ledger = None
+    if run.cfg.privacy.enabled:
+        ledger = state.privacy or Ledger(run.cfg.privacy.accountant, delta_of(run.cfg, len(run.load_partition().clients)))
+    return PhaseState(state.method, state.phase, state.round, state.server, dict(state.clients.items()), state.config_fingerprint,
+                      privacy=ledger)
 
 
 def outcome(line: ModelLine, record: VersionRecord) -> dict:

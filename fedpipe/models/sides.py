@@ -1,7 +1,8 @@
 """The two model sets the gate weighs (the candidate run's and the promoted version's), each with the data
 it was trained on, and how either is scored on samples from anywhere.
 
-A model set is fed as it was trained: its inputs standardised with its own training rows' statistics, and a
+A model set is fed as it was trained: its inputs standardised as its own run chose (`data.standardisation`: with
+its own training rows' statistics when pooled, else its fixed or declared constants), and a
 client's personalized model picked on that client's own validation split (`fedpipe.engine.evaluation`). So
 `score(side, tests, globals)` appends the samples to score to the side's own training data, points each
 named client's test split at them (the global test set at `globals`), and evaluates: the very same samples
@@ -20,7 +21,7 @@ from fedpipe.algorithms import build_algorithm
 from fedpipe.algorithms.base import Algorithm, ServerState
 from fedpipe.data import DatasetBundle, LabeledArrays
 from fedpipe.data.datasets import load_dataset
-from fedpipe.data.federated import prepare_data
+from fedpipe.data.federated import Standardisation, prepare_data
 from fedpipe.data.partition import Partition, make_partition
 from fedpipe.engine.evaluation import evaluate_global, evaluate_personalized
 from fedpipe.engine.state import PhaseState
@@ -49,13 +50,14 @@ class Scores:
 @dataclass(frozen=True)
 class Side:
     """A model set with its data: its algorithm, final server and client states (keyed by `partition`'s
-    client ids), the bundle and partition it was trained on."""
+    client ids), the bundle and partition it was trained on, and how its run standardised inputs."""
 
     algorithm: Algorithm
     server: ServerState
     clients: dict
     bundle: DatasetBundle
     partition: Partition
+    standardisation: Standardisation = Standardisation()
 
     @cached_property
     def names(self) -> dict[int, str]:
@@ -92,7 +94,7 @@ def candidate_side(run: Run) -> Side:
     """The candidate run's final models on its own data."""
     state = run.checkpoints(run.phases()[-1].name).load_final(run.device)
     algorithm, _ = run.build_algorithm()
-    return Side(algorithm, state.server, dict(state.clients), run.bundle, run.load_partition())
+    return Side(algorithm, state.server, dict(state.clients), run.bundle, run.load_partition(), run.cfg.standardisation())
 
 
 def champion_side(run: Run, line: ModelLine, record: VersionRecord, cfg: RunConfig, data: tuple[DatasetBundle, Partition] | None) -> Side:
@@ -112,7 +114,8 @@ def champion_side(run: Run, line: ModelLine, record: VersionRecord, cfg: RunConf
     target = {n: i for i, n in Side(algorithm, state.server, {}, bundle, partition).names.items()}
     to_data = {c: target[n] for c, n in names.items() if n in target}
     server = replace(state.server, per_client={to_data[c]: p for c, p in state.server.per_client.items() if c in to_data})
-    return Side(algorithm, server, {to_data[c]: p for c, p in state.clients.items() if c in to_data}, bundle, partition)
+    return Side(algorithm, server, {to_data[c]: p for c, p in state.clients.items() if c in to_data}, bundle, partition,
+                cfg.standardisation())  # the version's own choice: its models were trained on inputs standardised so
 
 
 def check_recorded_model(record: VersionRecord, line: str) -> None:
@@ -148,7 +151,7 @@ def score(side: Side, cfg: RunConfig, device: torch.device, tests: dict[str, Lab
     glob_rows = np.concatenate([positions[f"\0{k}"] for k in globals_]) if globals_ else EMPTY
     partition = replace(side.partition, pool_size=len(merged.train), global_test_indices=glob_rows,
                         clients=tuple(replace(c, test=positions.get(names[c.id], EMPTY)) for c in side.partition.clients))
-    data = prepare_data(merged, partition, device)
+    data = prepare_data(merged, partition, device, side.standardisation)
     scored = replace(data, clients=tuple(c for c in data.clients if names[c.client_id] in tests))
     clients = {}
     if scored.clients:

@@ -15,19 +15,27 @@ and maps the version's clients onto this run's by name (a natural partition's cl
 ids otherwise): a client of this run the version lacks starts without a state, a client of the version
 this run lacks is left out. The run layer gets plain tensors (`fedpipe.run.run.WarmStart`) and never
 imports this module.
+
+With privacy.enabled, `starting_ledger` decides what the run's accountant starts from. The version's weights
+were trained on its clients' data, so a private run from a private version continues that version's
+accountant (its epsilon then covers both runs), and a private run from a version that is not private is
+refused unless privacy.public_init says the version holds no client's data.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from fedpipe.algorithms.base import ServerState
+from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.state import PhaseState
-from fedpipe.errors import ConfigError
+from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.run.config import RunConfig
+from fedpipe.run.privacy import delta_of
 from fedpipe.run.run import Run, WarmStart
 from fedpipe.store import Store, open_store
 
@@ -101,7 +109,50 @@ def warm_start(run: Run) -> WarmStart | None:
     kept = len(set(clients) | set(per_client))
     log.info("Warm start from %s: %d of this run's %d clients keep their state from it (%d start without one).",
              where, kept, len(ids), len(ids) - kept)
-    return WarmStart(ServerState(dict(state.server.global_params), per_client), clients, where)
+    ledger = starting_ledger(run.cfg, version_ledger(record, state, where), f"model line {line.name!r} version {version} "
+                             f"(run {record.run_id})", len(ids))
+    return WarmStart(ServerState(dict(state.server.global_params), per_client), clients, where, privacy=ledger)
+
+
+def version_ledger(record: VersionRecord, state: PhaseState, where: str) -> Ledger | None:
+    """The accountant a version's training spent: its state's (checked by `Ledger.from_json` as the state is read,
+    and pinned by the record's sha256 of state.pt), which must be the one its record shows (`fedpipe models`)."""
+    if record.privacy is not None and (state.privacy is None or state.privacy.to_json() != record.privacy.to_json()):
+        raise CorruptArtifactError(f"{where}: the version's state and its record disagree on its privacy ledger, so "
+                                   "what it spent is unknown. It was damaged or written by something else; start from "
+                                   "another version.")
+    return state.privacy
+
+
+def starting_ledger(cfg: RunConfig, spent: Ledger | None, source: str, num_clients: int) -> Ledger | None:
+    """The accountant a warm-started run starts with (None: a fresh one, or none without privacy).
+
+    A private version's history continues: the new run's rounds are more sampled Gaussian mechanisms on the same
+    people (its clients' data shaped the starting weights), and RDP composes additively across mechanisms (Mironov
+    2017, Prop. 1; Opacus's accountants compose a history by the same sum), so epsilon over the joined history at
+    this run's delta, with this run's accountant, bounds what both runs reveal. A version that is not private (no
+    ledger, or an infinite epsilon: noise_multiplier 0) has no bound to continue: refused unless privacy.public_init."""
+    p = cfg.privacy
+    if not p.enabled:
+        return None  # the run reports no epsilon, and its own version is not private either
+    if spent is not None and math.isfinite(epsilon := spent.epsilon()):
+        own = spent.rounds - spent.inherited_rounds
+        sources = [*spent.sources, {"from": source[:Ledger.MAX_SOURCE_CHARS], "rounds": own}][-Ledger.MAX_SOURCES:]
+        log.info("privacy: this run continues the accountant of %s (%d private rounds, epsilon %.3f at its delta %.3g); "
+                 "every epsilon it reports covers those rounds too.", source, spent.rounds, epsilon, spent.delta)
+        return Ledger(p.accountant, delta_of(cfg, num_clients), [list(h) for h in spent.history],
+                      inherited_rounds=spent.rounds, sources=sources)
+    if p.public_init:
+        log.warning("privacy: %s was not trained with differential privacy; privacy.public_init=true says it holds no client's "
+                    "data, so its training is not counted in this run's epsilon.", source)
+        return None
+    why = ("it has no privacy ledger: it was trained with privacy.enabled=false" if spent is None
+           else "its privacy ledger spends an infinite epsilon: it was trained with privacy.noise_multiplier=0")
+    raise ConfigError(
+        f"train.init_from={cfg.train.init_from}: this run has privacy.enabled=true, but it would start from {source}, which "
+        f"is not private ({why}). Its weights may reveal its clients' data, and no epsilon this run reports would cover "
+        "that. Start from a private version (`fedpipe models list {cfg.registry.name}` shows each version's epsilon), or from random weights "
+        "(train.init_from=none); or, if that version was trained on public data only, set privacy.public_init=true.")
 
 
 def check_spec(mine: ModelSpec, record: VersionRecord, line: str) -> None:

@@ -50,7 +50,8 @@ class Evaluation:
 
 
 class Reporting:
-    """The phase's and each round's telemetry events."""
+    """The phase's and each round's telemetry events, with every figure: which of them may leave the trusted server
+    with privacy on is decided in one place, `fedpipe.telemetry.release` (applied by `Run.default_sinks`)."""
 
     def __init__(self, algorithm: Algorithm, telemetry: Telemetry, labels: RunLabels):
         self.algorithm, self.telemetry, self.labels = algorithm, telemetry, labels

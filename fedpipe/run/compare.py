@@ -20,7 +20,7 @@ def compared_model_scores(run: Run, state: PhaseState) -> dict[str, float]:
     algorithm, _ = run.build_algorithm()
     if not hasattr(algorithm, "compared_models"):
         raise ConfigError(f"scoring compared models needs a method that compares models (fedmoe); {algorithm.name} does not")
-    data = prepare_data(run.bundle, run.load_partition(), run.device)
+    data = prepare_data(run.bundle, run.load_partition(), run.device, run.cfg.standardisation())  # as the run trained
     if data.global_test is None:
         raise ConfigError("scoring compared models needs a global test set; this dataset and partition have none")
     cfg = run.cfg.eval

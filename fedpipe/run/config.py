@@ -33,6 +33,7 @@ from fedpipe.config import (
     format_validation_error,
 )
 from fedpipe.data.datasets import DATASETS, FILES, DataConfig
+from fedpipe.data.federated import DECLARED, FIXED, POOLED, Standardisation
 from fedpipe.data.partition import PartitionConfig
 from fedpipe.errors import ConfigError
 from fedpipe.nn.imported import MAX_IMPORT_PATH, import_path_problem, is_import_path
@@ -108,6 +109,13 @@ class RunConfig(Section):
             return self
         from fedpipe.algorithms import ALGORITHMS
 
+        if self.data.standardisation == "pooled":
+            # the pooled mean and std are exact statistics of every client's data, baked into each model and exported
+            # file: removing one client changes them, and no accountant counts that release (issue 40, P3)
+            raise ValueError("data.standardisation=pooled computes the input mean and std exactly from all clients' pooled "
+                             "training data and bakes them into every model: a release of the clients' data outside the "
+                             "privacy accountant. With privacy.enabled use data.standardisation=fixed (or auto), declaring "
+                             "data.input_mean and data.input_std if the fixed defaults do not suit the data")
         refusal = ALGORITHMS[self.method.name].privacy_refusal
         if refusal:
             raise ValueError(f"method {self.method.name} cannot run with privacy.enabled: {refusal}. Choose a method that "
@@ -122,6 +130,16 @@ class RunConfig(Section):
             raise ValueError("privacy.on_target=calibrate needs privacy.target_epsilon (the budget to calibrate "
                              "noise_multiplier to)")
         return self
+
+    def standardisation(self) -> Standardisation:
+        """How raw inputs are standardised (data.standardisation resolved): declared constants when given; else fixed
+        when asked for, or under auto with privacy.enabled; else pooled."""
+        d = self.data
+        if d.input_mean is not None and d.input_std is not None:
+            return Standardisation(DECLARED, d.input_mean, d.input_std)
+        if d.standardisation == "fixed" or (d.standardisation == "auto" and self.privacy.enabled):
+            return Standardisation(FIXED)
+        return Standardisation(POOLED)
 
     def model_name(self, input_shape: tuple[int, ...] | None = None) -> str:
         """model.name, with auto resolved for the data's input shape (a bundled dataset's is known from
@@ -146,6 +164,14 @@ class RunConfig(Section):
                 d[section].pop(key, None)
         if not self.privacy.enabled:  # added later, and meaningless while off: a run without it keeps its id
             d.pop("privacy")
+        # the standardisation as resolved: pooled (what every run did before the choice existed) keeps the id; fixed or
+        # declared constants feed the network other inputs, so they make another run (a private run made before the
+        # choice existed trained on pooled inputs: it must not be resumed on fixed ones)
+        chosen = self.standardisation()
+        for key in ("standardisation", "input_mean", "input_std"):
+            d["data"].pop(key, None)
+        if chosen.source != POOLED:
+            d["data"]["standardisation"] = {"source": chosen.source, "mean": chosen.mean, "std": chosen.std}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
     def run_id(self) -> str:

@@ -7,6 +7,7 @@
     <run>/phases/<phase>/final.pt           a phase's final state
     <run>/phases/<phase>/engine.json        how its clients are trained, when the config says auto
     <run>/phases/<phase>/clients/c00012-r00007-<sha256[:16]>.pt   a spilled client state
+    <run>/privacy-secret                    privacy.enabled: the run's noise secret (32 random bytes, never published)
     <run>/report/...                        the report; rounds-<phase>.jsonl, one line per round
     <run>/manifest.json                     the run manifest, written last (`fedpipe verify`)
 
@@ -27,7 +28,7 @@ _ROUND = re.compile(r"round-(\d+)\.pt")  # fullmatch of the part after the phase
 # a client state of any phase of any run: "<run>/phases/<phase>/clients/c00012-r00007-<16 hex>.pt", whole
 _CLIENT = re.compile(r".+/phases/[^/]+/clients/c(\d+)-r(\d+)-([0-9a-f]{16})\.pt")
 # the keys of a run's folder that fedpipe writes, relative to it (`RunLayout.owns`)
-_RUN_FILES = ("run.json", "owner.json", "manifest.json", "partition/manifest.json")
+_RUN_FILES = ("run.json", "owner.json", "manifest.json", "partition/manifest.json", "privacy-secret")
 _OWN_KEY = re.compile(
     r"phases/[^/]+/(?:final\.pt|engine\.json|round-\d+\.pt|clients/c\d+-r\d+-[0-9a-f]{16}\.pt)"
     r"|report/[^/]+\.(?:png|csv|json|jsonl|md|html)"
@@ -101,6 +102,12 @@ class RunLayout:
             return False
         rest = key[len(self.folder):]
         return rest in _RUN_FILES or _OWN_KEY.fullmatch(rest) is not None
+
+    @property
+    def privacy_secret(self) -> str:
+        """The run's noise secret (`fedpipe.engine.privacy.new_secret`): written before the run's first private
+        round, so a round replayed after a crash draws the noise it drew the first time."""
+        return f"{self.run_id}/privacy-secret"
 
     @property
     def partition_manifest(self) -> str:

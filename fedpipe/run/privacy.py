@@ -5,12 +5,13 @@ noise multiplier calibrated to a budget (`privacy.on_target=calibrate`, `fedpipe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fedpipe.algorithms import phases_of
 from fedpipe.algorithms.base import Algorithm, Phase, privacy_problem
 from fedpipe.config import PrivacyConfig
 from fedpipe.data.federated import FederatedData
-from fedpipe.engine.accounting import Ledger, calibrate, default_delta, epsilon_of
+from fedpipe.engine.accounting import Ledger, calibrate, default_delta, epsilon_against_server, epsilon_of
 from fedpipe.engine.privacy import Privacy
 from fedpipe.engine.rounds import eligible_clients
 from fedpipe.engine.state import PhaseState
@@ -49,9 +50,11 @@ def effective(cfg: RunConfig, num_clients: int) -> PrivacyConfig:
     return p.model_copy(update={"noise_multiplier": sigma})
 
 
-def phase_privacy(cfg: RunConfig, algorithm: Algorithm, phase: Phase, data: FederatedData) -> Privacy | None:
+def phase_privacy(cfg: RunConfig, algorithm: Algorithm, phase: Phase, data: FederatedData,
+                  secret: Callable[[], bytes] | None = None) -> Privacy | None:
     """The engine's `Privacy` for a communicating phase of a run with privacy.enabled (None otherwise); refuses a
-    method it cannot cover (`privacy_problem`) and a phase no client may join."""
+    method it cannot cover (`privacy_problem`) and a phase no client may join. `secret` reads the run's noise
+    secret (not needed with seeded_noise; None: fresh entropy for every draw, for a phase outside a run)."""
     if not cfg.privacy.enabled or not phase.communicates:
         return None
     problem = privacy_problem(algorithm, phases_of(cfg.method, cfg.train.rounds))
@@ -63,9 +66,12 @@ def phase_privacy(cfg: RunConfig, algorithm: Algorithm, phase: Phase, data: Fede
     if algorithm.privacy_caveat:
         log.warning("privacy: %s: %s", algorithm.name, algorithm.privacy_caveat)
     try:
-        return Privacy(effective(cfg, data.num_clients), cfg.run.seed, sample_rate(cfg, phase), len(pool))
+        made = Privacy(effective(cfg, data.num_clients), cfg.run.seed, sample_rate(cfg, phase), len(pool))
     except ValueError as e:
         raise ConfigError(f"{e}.") from None
+    if secret is not None and not cfg.privacy.seeded_noise:
+        made.secret = secret()
+    return made
 
 
 def plan(cfg: RunConfig, num_clients: int, points: int = 10) -> dict:
@@ -101,18 +107,33 @@ def _first_rounds(rounds: list[tuple[float, int]], sigma: float, count: int) -> 
 
 
 def privacy_summary(cfg: RunConfig, state: PhaseState) -> dict:
-    """The report's privacy figures ({} with privacy off): epsilon at delta spent by the whole run, and how."""
+    """The report's privacy figures ({} with privacy off): epsilon at delta spent by the whole run, and how; what
+    epsilon covers, what it does not, and what the report withholds (the summary's reader is told, not left to guess)."""
     if not cfg.privacy.enabled:
         return {}
     ledger: Ledger | None = state.privacy
     p = cfg.privacy
+    # epsilon bounds what the noised aggregates of the uploads reveal; evaluation is unprivatised (as in the papers),
+    # and the personalized models are each client's own, trained on its data without noise
+    scope = {"covers": "the uploaded model updates of the communicating rounds",
+             "not_covered": "evaluation on clients' data (accuracies, per-client table, partition heatmap); the personalized models "
+                            "(trained without noise, kept by the server, stored by the model line)",
+             "withheld": "per-round loss, clients, traffic, time, update norms, method statistics (run store only)"}
+    if p.seeded_noise:  # anyone who holds the config can redraw the noise and subtract it
+        scope["not_a_guarantee"] = "privacy.seeded_noise=true: the noise and the sample come from run.seed, so this epsilon protects nobody"
     if ledger is None:  # nothing was ever released (Local; a phase stopped before its first round)
         return {"privacy": {"epsilon": 0.0, "delta": p.delta, "private_rounds": 0, "accountant": p.accountant, "mode": p.mode,
-                            "clip": p.clip, "noise_multiplier": p.noise_multiplier, "target_epsilon": p.target_epsilon, "stopped_after_round": None}}
+                            "clip": p.clip, "noise_multiplier": p.noise_multiplier, "target_epsilon": p.target_epsilon, "stopped_after_round": None,
+                            **scope}}
     sigma = ledger.history[-1][0] if ledger.history else p.noise_multiplier
     return {"privacy": {"epsilon": ledger.epsilon(), "delta": ledger.delta, "private_rounds": ledger.rounds, "accountant": ledger.kind,
                         "mode": p.mode, "clip": p.clip, "per_layer": p.per_layer, "noise_multiplier": sigma,
                         **({"adaptive_clip": {"target_quantile": p.target_quantile, "clip_lr": p.clip_lr, "final_clip": ledger.clip}}
                            if p.adaptive_clip else {}),
                         "target_epsilon": p.target_epsilon, "stopped_after_round": ledger.stopped_at,
-                        "sampling": "Poisson, rate train.client_fraction"}}
+                        "sampling": "Poisson, rate train.client_fraction", **scope,
+                        # a warm start's rounds (train.init_from) are part of the epsilon: say how many and whose
+                        **({"inherited_rounds": ledger.inherited_rounds, "sources": ledger.sources} if ledger.inherited_rounds else {}),
+                        # local mode: what the server itself learns of one client (no amplification; `epsilon_against_server`)
+                        **({"epsilon_against_server": epsilon_against_server(ledger.kind, ledger.history, ledger.delta)}
+                           if p.mode == "local" else {})}}

@@ -23,6 +23,7 @@ from fedpipe.run.layout import RunLayout
 from fedpipe.run.privacy import privacy_summary
 from fedpipe.store import Store
 from fedpipe.telemetry.jsonl import read_rounds
+from fedpipe.telemetry.release import releasable_row
 
 #: put_plot(name, draw): draw(path) renders a PNG to `path`, which goes into the report folder as `name`
 PutPlot = Callable[[str, Callable[[Path], object]], object]
@@ -43,15 +44,18 @@ def write_report(cfg: RunConfig, store: Store, layout: RunLayout, algorithm: Alg
     rows = read_rounds(store, [layout.rounds(p.name) for p in phases])
     summary = build_summary(cfg, layout.run_id, pers, glob, rows, data)
     summary.update(privacy_summary(cfg, state))
+    # the report is published (MLflow, Kubeflow's UI): with privacy on its plots draw only what the round
+    # telemetry may release (no training loss, no method statistics); the round log in the store keeps the rest
+    shown = [releasable_row(r) for r in rows] if cfg.privacy.enabled else rows
 
     store.put_text(layout.report("summary.json"), json.dumps(summary, indent=2))
     per_client = clients_csv(pers, data)
     store.put_text(layout.report("clients.csv"), per_client)
-    put_plot("accuracy.png", lambda p: plots.accuracy_per_round(rows, p, phases, title=summary["title"]))
+    put_plot("accuracy.png", lambda p: plots.accuracy_per_round(shown, p, phases, title=summary["title"]))
     if len(pers.clients[0].candidates) > 1:
         store.put_text(layout.report(f"{pers.candidate_label}_curve.csv"), curve_csv(pers))
         put_plot(f"{pers.candidate_label}_curve.png", lambda p: plots.candidate_curve(pers, p, title=summary["title"]))
-    extra = algorithm.report_plots(rows)
+    extra = algorithm.report_plots(shown)
     for name, draw in extra.items():
         put_plot(name, draw)
     store.put_text(layout.report("report.md"), markdown(summary, pers, list(extra), per_client))
@@ -100,6 +104,9 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
         personalized["selected_by"] = cfg.eval.candidates
     # per client, in client order: what a study's paired tests over clients and its fairness column read
     personalized["client_accuracies"] = [c.accuracy for c in pers.clients]
+    # with privacy on, traffic and time are withheld (None): un-noised sums over the rounds' sampled clients
+    # (the traffic counts them; the time grows with their data), which the summary would publish
+    private = cfg.privacy.enabled
     return {
         "title": f"{cfg.method.name} on {cfg.data.dataset} ({cfg.partition.scheme}, {data.num_clients} clients, seed {cfg.run.seed})",
         "run_id": run_id,
@@ -115,10 +122,10 @@ def build_summary(cfg: RunConfig, run_id: str, pers: PersonalizedResult, glob: S
         "personalized_accuracy": personalized,
         "global_model": _scores(glob),
         "communication": {
-            "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in rows)),
-            "bytes_downloaded": int(sum(r["bytes_downloaded"] for r in rows)),
+            "bytes_uploaded": None if private else int(sum(r["bytes_uploaded"] for r in rows)),
+            "bytes_downloaded": None if private else int(sum(r["bytes_downloaded"] for r in rows)),
         },
-        "training_seconds": float(sum(r["seconds"] for r in rows)),
+        "training_seconds": None if private else float(sum(r["seconds"] for r in rows)),
         **({"data": {"source": cfg.data.source, "snapshot": cfg.data.snapshot}} if cfg.data.snapshot else {}),
     }
 
@@ -194,10 +201,12 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append("  global model           none (this method trains no global model)")
     else:
         lines.append(f"  global model           top-1 {_pct(g['top1'])}, top-5 {_pct(g['top5'])}, loss {g['loss']:.3f}, ECE {g['ece']:.3f}")
-    lines.append(f"  communication          {c['bytes_uploaded'] / 1e6:.1f} MB up, {c['bytes_downloaded'] / 1e6:.1f} MB down")
-    lines.append(f"  training time          {summary['training_seconds']:.0f} s")
+    if c.get("bytes_uploaded") is not None:  # None: withheld with privacy on (the privacy lines say so)
+        lines.append(f"  communication          {c['bytes_uploaded'] / 1e6:.1f} MB up, {c['bytes_downloaded'] / 1e6:.1f} MB down")
+    if summary.get("training_seconds") is not None:
+        lines.append(f"  training time          {summary['training_seconds']:.0f} s")
     if isinstance(summary.get("privacy"), dict):
-        lines.append(privacy_line(summary["privacy"]))
+        lines += privacy_lines(summary["privacy"])
     if isinstance(summary.get("data"), dict):
         d = summary["data"]
         lines.append(f"  data                   {d.get('source')} (snapshot {str(d.get('snapshot'))[:12]}...)")
@@ -206,13 +215,22 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-def privacy_line(p: dict) -> str:
-    """The summary's privacy line: epsilon at delta, and what spent it."""
+def privacy_lines(p: dict) -> list[str]:
+    """The summary's privacy lines: epsilon at delta, what it covers and what spent it; then what it does not
+    cover and what the report withholds (a summary written before these were recorded: the first line only)."""
     stopped = p.get("stopped_after_round")
-    return (f"  privacy                epsilon {_number(p.get('epsilon'), '.3f')} at delta {_number(p.get('delta'), '.2g')} "
-            f"({p.get('mode')} DP, {p.get('private_rounds')} private rounds, noise multiplier {_number(p.get('noise_multiplier'), '.3f')}, "
-            f"clip {_number(p.get('clip'), 'g')}, {p.get('accountant')} accountant, Poisson sampling)"
-            + (f"; target_epsilon {p.get('target_epsilon')} stopped training after round {stopped}" if stopped is not None else ""))
+    covers = f" for {p['covers']}" if p.get("covers") else ""
+    lines = [(f"  privacy                epsilon {_number(p.get('epsilon'), '.3f')} at delta {_number(p.get('delta'), '.2g')}{covers} "
+              f"({p.get('mode')} DP, {p.get('private_rounds')} private rounds, noise multiplier {_number(p.get('noise_multiplier'), '.3f')}, "
+              f"clip {_number(p.get('clip'), 'g')}, {p.get('accountant')} accountant, Poisson sampling)"
+              + (f"; target_epsilon {p.get('target_epsilon')} stopped training after round {stopped}" if stopped is not None else "")
+              + (f"; against the server (local DP, every round, no amplification): epsilon {_number(p['epsilon_against_server'], '.3f')}"
+                 if p.get("epsilon_against_server") is not None else ""))]
+    if p.get("not_a_guarantee"):
+        lines.append(f"  NOT PRIVATE            {p['not_a_guarantee']}")
+    if p.get("not_covered"):
+        lines.append(f"  not covered            {p['not_covered']}" + (f"; withheld: {p['withheld']}" if p.get("withheld") else ""))
+    return lines
 
 
 # --- Markdown and HTML from values that may come from a file ---------------------------------------------

@@ -20,14 +20,16 @@ from fedpipe.algorithms import Algorithm, build_algorithm, phases_of
 from fedpipe.algorithms.base import Phase, ServerState
 from fedpipe.data import DatasetBundle
 from fedpipe.data.datasets import load_dataset
-from fedpipe.data.federated import FederatedData, prepare_data
+from fedpipe.data.federated import FederatedData, Standardisation, prepare_data
 from fedpipe.data.partition import Partition, make_partition
 from fedpipe.data.partition.natural import unseen_test_classes
 from fedpipe.engine import distributed
+from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.choice import EngineChoice, amp_mode, choose, clients_mode, usable_cores
 from fedpipe.engine.clients import ClientTrainer
 from fedpipe.engine.devices import resolve_device
 from fedpipe.engine.distributed import DistributedRound, TrainerRecipe
+from fedpipe.engine.privacy import SECRET_BYTES, new_secret
 from fedpipe.engine.rounds import run_phase
 from fedpipe.engine.state import Checkpoints, PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError, StoreError
@@ -44,6 +46,7 @@ from fedpipe.store import Store, open_store
 from fedpipe.telemetry import RunLabels, Telemetry
 from fedpipe.telemetry.jsonl import JsonlSink
 from fedpipe.telemetry.progress import ProgressSink
+from fedpipe.telemetry.release import released
 from fedpipe.telemetry.trainer_status import TrainerStatusSink
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,9 @@ class WarmStart:
     server: ServerState
     clients: dict[int, dict] = field(default_factory=dict)
     source: str = ""  # for the log: which line and version
+    # privacy.enabled: the accountant the run starts with, the version's spend composed in (None: a fresh one,
+    # allowed only with privacy.public_init: a private run never starts from weights nobody accounted for)
+    privacy: Ledger | None = None
 
 
 #: What `Run.warm_start` holds (None: the seeded random weights): the warm start, or a function that reads it
@@ -114,8 +120,29 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         to the phase's engine.json (rank 0 only: one writer); with privacy.enabled it clips (and in local mode
         noises) every upload."""
         on_chunk = (lambda chunk, why: self._record_chunk(phase.name, chunk, why)) if record_chunk else None
-        privacy = phase_privacy(self.cfg, algorithm, phase, data)
+        privacy = phase_privacy(self.cfg, algorithm, phase, data, self.noise_secret)
         return ClientTrainer(algorithm, phase, data, self.cfg.train, self.cfg.engine, self.cfg.run.seed, on_chunk, privacy=privacy)
+
+    def noise_secret(self, create: bool = False) -> bytes:
+        """The run's noise secret (privacy.enabled without seeded_noise): read from the store, or with `create`
+        (the owner, before the run's first private round) drawn and written first when the run has none yet.
+        Every draw of the sample and the noise is keyed under it (`fedpipe.engine.privacy`), so it must land
+        before the first release: a replayed round then repeats its release rather than releasing it again."""
+        key = self.layout.privacy_secret
+        if create and not self.store.exists(key):
+            self.store.create(key, new_secret().hex().encode())
+        size = self.store.size(key)
+        if size is None:
+            raise StoreError(f"{self.store.url(key)} is missing: the run's noise secret is written when its first private phase "
+                             "starts (`fedpipe train`); train the phase from its start, or rerun with --fresh.")
+        if size != 2 * SECRET_BYTES:
+            raise CorruptArtifactError(f"{self.store.url(key)} is not a noise secret ({size} bytes, not {2 * SECRET_BYTES}). "
+                                       "Rerun the run with --fresh (its noise cannot be recovered).")
+        text = self.store.get(key).decode("ascii", errors="replace")
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            raise CorruptArtifactError(f"{self.store.url(key)} is not a noise secret (not hex). Rerun the run with --fresh.") from None
 
     def _record_chunk(self, phase: str, chunk: int, why: str) -> None:
         key = self.layout.phase(phase).engine_choice
@@ -210,18 +237,22 @@ class Run:  # size: a run's three steps and the building blocks they share (data
         return distributed.run_ranks(lead, recipe, processes, threads)
 
     def default_sinks(self, phase: str) -> list:
+        # inside the trusted server: the run store's round log and the progress bar on this process's terminal
+        # keep every figure, privacy on or off (the report reads the log)
         sinks: list = [JsonlSink(self.store, self.layout.rounds(phase))]
         if self.cfg.telemetry.progress:
             sinks.append(ProgressSink())
+        outside: list = []  # every sink below leaves the server: with privacy on it gets only what `releasable` allows
         url = self.cfg.telemetry.pushgateway or os.environ.get("FEDPIPE_PUSHGATEWAY")
         if url:
             from fedpipe.telemetry.prometheus import PrometheusSink
 
-            sinks.append(PrometheusSink(url))
+            outside.append(PrometheusSink(url))
         # MLflow's: none unless telemetry.mlflow or MLFLOW_TRACKING_URI is set; Kubeflow Trainer's (a TrainJob's
         # status.trainerStatus): none unless Trainer injected its status server (feature gate TrainJobStatus on)
         trainer = TrainerStatusSink.from_env()
-        return sinks + mlflow_sinks(self) + ([trainer] if trainer is not None else [])
+        outside += mlflow_sinks(self) + ([trainer] if trainer is not None else [])
+        return sinks + released(outside, self.cfg.privacy.enabled)
 
     # --- step 3: evaluate -------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -278,17 +309,22 @@ def mlflow_sinks(run: Run) -> list:
 
 def track_report(run: Run, summary: dict) -> dict:
     """Log everything under the run's report/ keys as artifacts of its MLflow run and end that run (when it
-    is fedpipe's, not a KFP task's); returns `summary`. Reads the report only when the server answers; never raises."""
+    is fedpipe's, not a KFP task's); returns `summary`. Reads the report only when the server answers; never raises.
+    With privacy on the round logs stay in the store: they hold the un-noised figures `releasable` withholds."""
     prefix = run.layout.report_dir + "/"
+    kept = {run.layout.rounds(p.name) for p in run.phases()} if run.cfg.privacy.enabled else set()
     for sink in mlflow_sinks(run):
-        sink.log_report(lambda: {key[len(prefix):]: run.store.get(key) for key in run.store.list(prefix)})
+        sink.log_report(lambda: {key[len(prefix):]: run.store.get(key) for key in run.store.list(prefix) if key not in kept})
     return summary
 
 
 def federated_data(run: Run, partition: Partition, device: torch.device, split: str | None = None) -> FederatedData:
     """The clients' tensors on `device`; scored on `split` (default eval.split): with "validation" (a study's
     trial), the test splits are dropped."""
-    data = prepare_data(run.bundle, partition, device)
+    chosen = run.cfg.standardisation()  # data.standardisation: every path that standardises uses the run's choice
+    # pooled is prepare_data's default: passed only when it is not, so that wrappers of prepare_data(bundle, partition,
+    # device) (tests that alter the data a run sees) still fit
+    data = prepare_data(run.bundle, partition, device, **({} if chosen == Standardisation() else {"standardisation": chosen}))
     return data.validation_as_test() if (split or run.cfg.eval.split) == "validation" else data
 
 
@@ -358,8 +394,7 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
         return state
     algorithm, initial = run.build_algorithm(device)
     if previous is None:
-        server, clients = _initial_state(run, initial, device)
-        start = PhaseState(run.cfg.method.name, "init", 0, server, clients, run.cfg.fingerprint())
+        start = _initial_state(run, initial, device)
     else:
         start = run.checkpoints(previous).load_final(device)
     partition = run.load_partition()
@@ -370,6 +405,8 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
         start = resumed
     # the clients' states within engine.state_memory_mb, the rest spilled into this phase's folder
     start.clients = ckpt.client_states(start.clients, device)
+    if run.cfg.privacy.enabled and phase.communicates and not run.cfg.privacy.seeded_noise:
+        run.noise_secret(create=True)  # before the first release, and before the other ranks read it
     if run.unrecorded_choice is not None:
         run.store.put_text(run.layout.phase(phase.name).engine_choice, json.dumps(run.unrecorded_choice.to_json(), indent=2))
     distributed.brief(group, partition.to_manifest())
@@ -400,19 +437,28 @@ def _train_owned(run: Run, phase: Phase, previous: str | None, telemetry_sinks: 
     return state
 
 
-def _initial_state(run: Run, initial: dict, device: torch.device) -> tuple[ServerState, dict]:
-    """The first phase's server state and clients' states: the seeded random weights, or the run's warm start."""
+def _initial_state(run: Run, initial: dict, device: torch.device) -> PhaseState:
+    """The first phase's start: the seeded random weights, or the run's warm start with the accountant it brings."""
     given: WarmStarter = run.warm_start
     warm = given() if callable(given) else given
+    cfg = run.cfg
     if warm is None:
-        return ServerState(initial), {}
+        return PhaseState(cfg.method.name, "init", 0, ServerState(initial), {}, cfg.fingerprint())
     missing = sorted(set(initial) - set(warm.server.global_params))
     if missing:
         raise ConfigError(f"The warm start {warm.source} lacks parameters of this run's model ({', '.join(missing[:3])}).")
+    if cfg.privacy.enabled and warm.privacy is None and not cfg.privacy.public_init:
+        # the starting weights carry their training data; an accountant that starts at zero would understate epsilon
+        raise ConfigError(f"This run has privacy.enabled=true, but its warm start {warm.source} brings no privacy ledger, "
+                          "so its epsilon would leave out what trained the starting weights. Start from a version trained "
+                          "with privacy, or from random weights (train.init_from=none); or, if the starting model was "
+                          "trained on public data only, set privacy.public_init=true.")
     on = lambda params: {k: v.to(device) for k, v in params.items()}  # noqa: E731
     server = ServerState(on(warm.server.global_params), {c: on(p) for c, p in warm.server.per_client.items()})
     log.info("Run %s starts from %s (%d client states).", run.layout.run_id, warm.source, len(warm.clients))
-    return server, {c: on(p) for c, p in warm.clients.items()}
+    ledger = Ledger.from_json(warm.privacy.to_json()) if cfg.privacy.enabled and warm.privacy is not None else None  # a copy
+    return PhaseState(cfg.method.name, "init", 0, server, {c: on(p) for c, p in warm.clients.items()}, cfg.fingerprint(),
+                      privacy=ledger)
 
 
 def engine_choice(run: Run, phase_name: str) -> EngineChoice:

@@ -8,7 +8,8 @@
     splits: {pathological: {scheme: pathological}, dirichlet: {scheme: dirichlet, alpha: 0.3}}
 
 Every method gets the same budget (trials and rounds): a comparison is only fair when no method is
-tuned harder than another. Tuning reads validation splits only (`eval.split=validation`).
+tuned harder than another. Tuning reads validation splits only (`eval.split=validation`). A study of
+private configs (privacy.enabled) is refused: nothing accounts its selection or its many runs (PRIVATE_STUDY).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.config import (
@@ -225,10 +226,38 @@ def run_tree(study: StudyConfig, base: dict, entry: MethodEntry, split: str, see
         tree["eval"] = {**(tree.get("eval") or {}), "split": "validation", "every": 0}
     for path, value in {**entry.fixed, **params}.items():
         apply_override(tree, f"{path}={json.dumps(value)}")
+    private = asks_for_privacy(tree)  # before validation: this is the refusal to name, not what a private run needs besides
     try:
-        return RunConfig.model_validate(tree)
+        cfg = None if private else RunConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(f"study {study.study.name}, method {entry.name}: {format_validation_error(e)}") from None
+    if cfg is None or cfg.privacy.enabled:
+        where = f"method {entry.name}'s fixed settings" if any(p.startswith("privacy") for p in entry.fixed) else "the base run config"
+        raise ConfigError(f"study {study.study.name}, method {entry.name}: privacy.enabled is set ({where}), and a study "
+                          f"cannot run private configs. {PRIVATE_STUDY}")
+    return cfg
+
+
+def asks_for_privacy(tree: dict) -> bool:
+    """Whether a run config tree turns privacy on (privacy.enabled read as the config reads a bool: true, yes, on, 1)."""
+    section = tree.get("privacy")
+    if not isinstance(section, dict):
+        return False
+    try:
+        return TypeAdapter(bool).validate_python(section.get("enabled", False))
+    except ValidationError:
+        return False  # not a bool: the config's own validation names it
+
+
+#: Why a study refuses private configs (issue 40, P5), and what to do instead.
+PRIVATE_STUDY = (
+    "A study ranks its trials on the clients' validation scores and trains many runs on the same clients' data: each "
+    "run's epsilon counts its own training only, never the selection nor the sum over the runs, so the study would "
+    "release more than any epsilon it reports. Private tuning has to account the whole search (e.g. Papernot and "
+    "Steinke 2022, \"Hyperparameter tuning with Renyi differential privacy\", ICLR: a random number of trials, the "
+    "best one released, with a bound on the total), which fedpipe does not implement. Run the private config alone with "
+    "`fedpipe run`, or tune on public or proxy data with privacy off and then run the chosen settings privately with "
+    "`fedpipe run`.")
 
 
 def _split_partition(base: dict, split: dict) -> dict:

@@ -24,9 +24,11 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from fedpipe.config import apply_override
 from fedpipe.errors import ConfigError
 from fedpipe.run.config import RunConfig, load_config
 from fedpipe.safe_load import parse_yaml
+from fedpipe.study.config import asks_for_privacy
 from fedpipe.study.reproduction import Reproduction
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,23 @@ def run_overrides(repro: Reproduction, point: dict[str, str], seed: int, extra: 
 
 
 def run_config(repro: Reproduction, point: dict[str, str], seed: int, extra: list[str]) -> RunConfig:
+    overrides, tree = run_overrides(repro, point, seed, extra), {}
     try:
-        return load_config(None, run_overrides(repro, point, seed, extra))
+        for assignment in overrides:
+            apply_override(tree, assignment)
+        private = asks_for_privacy(tree)  # before validation: this refusal comes first, not what a private run needs besides
+        cfg = None if private else load_config(None, overrides)
     except ConfigError as e:
         raise ConfigError(f"Reproduction {repro.name}, run {point} seed {seed}: {e}") from None
+    if cfg is None or cfg.privacy.enabled:
+        # no selection here, but every point and seed is one more training on the same dataset's clients: the
+        # releases compose, and each run's ledger counts its own only (issue 40, P5)
+        raise ConfigError(f"Reproduction {repro.name}, run {point} seed {seed}: privacy.enabled is set, and a reproduction "
+                          "cannot run private configs: it trains every point on every seed on the same clients' data, and "
+                          "the privacy spent composes over those runs while each run's epsilon counts its own training only, "
+                          "so no reported epsilon would bound what the reproduction releases. Run a private config alone "
+                          "with `fedpipe run` (its ledger then accounts everything it released).")
+    return cfg
 
 
 def select_points(repro: Reproduction, only: dict[str, set[str]]) -> list[dict[str, str]]:

@@ -1,7 +1,8 @@
 """What training reports: one event per finished round, one per phase start and end.
 
-Sinks (JSONL file, progress bar, Prometheus Pushgateway) receive these and nothing else;
-algorithms never print.
+Sinks (JSONL file, progress bar, Prometheus Pushgateway, MLflow, Kubeflow Trainer) receive these and nothing
+else; algorithms never print. With privacy on, a sink outside the trusted server receives a round's event
+through `fedpipe.telemetry.release`, which sets the figures it withholds to None.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ class RoundEvent:
     round: int  # global round index (1-based, continues across phases)
     phase_round: int  # 1-based index within the phase
     phase_rounds: int  # rounds in the phase
-    clients: int  # clients that took part (reported back)
-    failed_clients: int  # clients sampled but left out of aggregation
-    train_loss: float  # sample-weighted mean training loss over the round's clients
+    # clients, failed_clients, train_loss, bytes_*, seconds, samples_per_second: None when withheld from a sink
+    # outside the trusted server (privacy on, `fedpipe.telemetry.release`)
+    clients: int | None  # clients that took part (reported back)
+    failed_clients: int | None  # clients sampled but left out of aggregation
+    train_loss: float | None  # sample-weighted mean training loss over the round's clients
     personalized_accuracy: float | None  # mean over clients on their own test split (None: not evaluated)
     global_accuracy: float | None  # global model top-1 on the global test set (None: not evaluated / none)
-    bytes_uploaded: int  # client -> server, this round
-    bytes_downloaded: int  # server -> client, this round
-    seconds: float  # wall time of the round (training + aggregation, evaluation excluded)
-    samples_per_second: float  # training samples processed per second of `seconds`
+    bytes_uploaded: int | None  # client -> server, this round
+    bytes_downloaded: int | None  # server -> client, this round
+    seconds: float | None  # wall time of the round (training + aggregation, evaluation excluded)
+    samples_per_second: float | None  # training samples processed per second of `seconds`
     extra: dict[str, float] = field(default_factory=dict)  # method-specific scalars (also pushed as metrics)
     details: dict = field(default_factory=dict)  # method-specific records (e.g. pFedMB's alphas): JSONL only
 
@@ -54,4 +57,4 @@ class PhaseEvent:
     total_rounds: int
     first_round: int  # global index of the phase's first round still to run (after a resume)
     finished: bool = False
-    seconds: float = 0.0
+    seconds: float | None = 0.0  # None: withheld (privacy on, `fedpipe.telemetry.release`)

@@ -3,13 +3,15 @@
 One fedpipe run is one MLflow run. Per round ONE ``log_batch`` request logs, with ``step`` = the
 event's global round: ``train_loss``, ``personalized_accuracy`` and ``global_accuracy`` (on rounds
 that evaluated them), ``bytes_uploaded``, ``bytes_downloaded``, ``seconds``, ``samples_per_second``,
-``clients``, ``failed_clients`` and every `RoundEvent.extra` scalar under its own name. When the run
+``clients``, ``failed_clients`` and every `RoundEvent.extra` scalar under its own name (with privacy on, only
+what `fedpipe.telemetry.release` allows: the accuracies, epsilon, delta and the clip). When the run
 starts, the flattened config goes in as params (dotted keys such as ``train.lr``; values cut at
 MLflow's 6000 characters) and tags name it: ``method``, ``dataset``, ``phase`` (the phase being
 trained), ``phases``, ``split`` (the partition scheme), ``seed``, ``pipeline``, ``fedpipe.run_id``, and
 ``kfp.run_id`` / ``kfp.pod_name`` from ``KFP_RUN_ID`` / ``KFP_POD_NAME`` when set. When the run's
 evaluation has finished, everything under its ``report/`` keys (report.md and .html, summary.json, the
-plots, the rounds' JSONL) is logged as artifacts under ``report/`` and the MLflow run is ended.
+plots, the rounds' JSONL; with privacy on, the JSONL stays in the store: it holds the un-noised figures) is
+logged as artifacts under ``report/`` and the MLflow run is ended.
 
 Which server and which MLflow run:
 
@@ -403,17 +405,12 @@ class MlflowSink:
 
 
 def round_metrics(event: RoundEvent) -> dict[str, float]:
-    """What one round logs: {metric name: value}; accuracies only when evaluated, `extra` by its own names."""
-    metrics: dict[str, float] = {
-        "train_loss": event.train_loss,
-        "bytes_uploaded": event.bytes_uploaded,
-        "bytes_downloaded": event.bytes_downloaded,
-        "seconds": event.seconds,
-        "samples_per_second": event.samples_per_second,
-        "clients": event.clients,
-        "failed_clients": event.failed_clients,
-    }
-    for name in ("personalized_accuracy", "global_accuracy"):
+    """What one round logs: {metric name: value}; a figure the event does not carry (None: an accuracy not
+    evaluated this round, or withheld with privacy on, `fedpipe.telemetry.release`) is not logged; `extra` by its
+    own names."""
+    metrics: dict[str, float] = {}
+    for name in ("train_loss", "bytes_uploaded", "bytes_downloaded", "seconds", "samples_per_second", "clients",
+                 "failed_clients", "personalized_accuracy", "global_accuracy"):
         value = getattr(event, name)
         if value is not None:
             metrics[name] = value

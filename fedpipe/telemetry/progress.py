@@ -37,7 +37,12 @@ def log_to_stderr() -> None:
 
 
 def _fmt(event: RoundEvent) -> dict[str, str]:
-    post = {"loss": f"{event.train_loss:.3f}", "s/round": f"{event.seconds:.1f}"}
+    # the server's own terminal: it gets every figure, but copes with an event that withholds some (None)
+    post = {}
+    if event.train_loss is not None:
+        post["loss"] = f"{event.train_loss:.3f}"
+    if event.seconds is not None:
+        post["s/round"] = f"{event.seconds:.1f}"
     if event.personalized_accuracy is not None:
         post["pers_acc"] = f"{event.personalized_accuracy:.3f}"
     if event.global_accuracy is not None:

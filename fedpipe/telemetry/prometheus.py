@@ -30,6 +30,10 @@ Metrics (all gauges; each group holds the latest value):
 ``fedpipe_phase_seconds``             wall time of the finished phase
 ==================================== ==============================================================
 
+A gauge whose value the event does not carry (None) is not pushed: an accuracy on a round that did not evaluate
+it, and with privacy on every figure `fedpipe.telemetry.release` withholds (the sink then gets only what that
+allowlist releases: the round indices, the accuracies, epsilon, delta and the clip).
+
 Example queries: ``fedpipe_personalized_accuracy{run_id="run-1"}``,
 ``sum by (run_id) (fedpipe_bytes_uploaded_total)`` (traffic of a run over all its phases).
 
@@ -105,12 +109,21 @@ class _Group:
 
     def set(self, name: str, value: float | int | None) -> None:
         if value is None:
-            return  # keep the last evaluated value; never push a made-up 0
+            return  # not evaluated this round, or withheld: keep the last value; never push a made-up 0
         gauge = self.gauges.get(name)
         if gauge is None:
             gauge = Gauge(name, METRICS[name], registry=self.registry)
             self.gauges[name] = gauge
         gauge.set(float(value))
+
+    def add_totals(self, uploaded: int | None, downloaded: int | None) -> None:
+        """The phase's running byte totals; a round's bytes withheld (None, privacy on) leave them unpushed."""
+        if uploaded is not None:
+            self.uploaded_total += int(uploaded)
+            self.set("fedpipe_bytes_uploaded_total", self.uploaded_total)
+        if downloaded is not None:
+            self.downloaded_total += int(downloaded)
+            self.set("fedpipe_bytes_downloaded_total", self.downloaded_total)
 
     def set_extra(self, name: str, value: float) -> None:
         if self.extra is None:
@@ -165,8 +178,7 @@ class PrometheusSink:
     def round_finished(self, event: RoundEvent) -> None:
         try:
             group = self._group(event.labels)
-            group.uploaded_total += int(event.bytes_uploaded)
-            group.downloaded_total += int(event.bytes_downloaded)
+            group.add_totals(event.bytes_uploaded, event.bytes_downloaded)
             group.set("fedpipe_round", event.round)
             group.set("fedpipe_phase_round", event.phase_round)
             group.set("fedpipe_phase_rounds", event.phase_rounds)
@@ -175,8 +187,6 @@ class PrometheusSink:
             group.set("fedpipe_global_accuracy", event.global_accuracy)
             group.set("fedpipe_bytes_uploaded", event.bytes_uploaded)
             group.set("fedpipe_bytes_downloaded", event.bytes_downloaded)
-            group.set("fedpipe_bytes_uploaded_total", group.uploaded_total)
-            group.set("fedpipe_bytes_downloaded_total", group.downloaded_total)
             group.set("fedpipe_round_seconds", event.seconds)
             group.set("fedpipe_samples_per_second", event.samples_per_second)
             group.set("fedpipe_clients", event.clients)

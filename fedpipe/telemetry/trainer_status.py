@@ -16,7 +16,8 @@ Rank 0 then POSTs an ``UpdateTrainJobStatusRequest`` (trainjob_types.go):
 "lastUpdatedTime"}}``; the server applies it to the TrainJob's status (`kubectl get trainjob` shows it).
 Progress is the phase's rounds done over its rounds; the estimate is the phase's mean wall time per round
 (since it started or resumed) times the rounds left; the metrics are the round's train_loss and, on
-evaluated rounds, personalized_accuracy and global_accuracy (values as text, as the API wants). At most one
+evaluated rounds, personalized_accuracy and global_accuracy (values as text, as the API wants). With privacy on
+the sink gets what `fedpipe.telemetry.release` allows: no train_loss and no time estimate. At most one
 update every MIN_INTERVAL_S seconds, and always the phase's last round. Without the variables (gate off, a
 PyTorchJob, the pipeline's own task) no sink is made. A refused or unreachable server costs one warning;
 training never waits on it beyond TIMEOUT_S.
@@ -92,7 +93,9 @@ class TrainerStatusSink:
         done, total = event.phase_round, max(event.phase_rounds, 1)
         status: dict = {"progressPercentage": min(100, max(0, (100 * done) // total))}
         ran = event.round - self._first_round + 1  # rounds since the phase started or resumed
-        if self._started is not None and ran > 0:
+        # seconds None: the round's time is withheld (privacy on, `fedpipe.telemetry.release`), so is an estimate
+        # made from it
+        if self._started is not None and ran > 0 and event.seconds is not None:
             per_round = (now - self._started) / ran
             status["estimatedRemainingSeconds"] = max(0, min(2**31 - 1, round(per_round * (total - done))))
         metrics = {"train_loss": event.train_loss, "personalized_accuracy": event.personalized_accuracy,
