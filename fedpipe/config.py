@@ -223,7 +223,8 @@ class KubeflowHubConfig(Section):
     properties) / ModelArtifact (the version's folder in the store), so that KServe can name it as
     `model-registry://<model>/<version>`. The token is never part of the config: it comes from the
     environment (FEDPIPE_HUB_TOKEN, or the file FEDPIPE_HUB_TOKEN_FILE names, else the pod's service-account
-    token). A registration that fails keeps the promotion and is retried by the next publication."""
+    token), and is sent only when `url` is the registry FEDPIPE_HUB_URL names. A registration that fails keeps the
+    promotion and is retried by the next publication."""
 
     url: str = Field("", max_length=MAX_URL_CHARS)
     """The registry's REST address, e.g. https://model-registry-service.kubeflow.svc.cluster.local:8443 or

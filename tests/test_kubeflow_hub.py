@@ -49,6 +49,7 @@ def registry(monkeypatch):
     monkeypatch.setenv(hub.ENV_TOKEN, TOKEN)
     monkeypatch.setattr(hub, "BACKOFF_S", 0.0)
     with ModelRegistryStandIn(TOKEN) as standin:
+        monkeypatch.setenv(hub.ENV_URL, standin.url)  # the registry the token belongs to
         yield standin
     assert standin.errors == []  # nothing it answered breaks the document
 
@@ -112,6 +113,7 @@ def test_an_unreachable_registry_costs_a_warning_not_the_promotion(line, monkeyp
     monkeypatch.setattr(hub, "BACKOFF_S", 0.0)
     standin = ModelRegistryStandIn(TOKEN)
     url = standin.url
+    monkeypatch.setenv(hub.ENV_URL, url)
     standin.server.server_close()  # nothing listens there any more
     (status, *_) = hub.sync_promoted(line, KubeflowHubConfig(url=url))
     assert status["registered"] is False and status["attempts"] == hub.ATTEMPTS and line.promoted() == 2
@@ -215,3 +217,24 @@ def test_the_publish_step_registers_the_promoted_version_and_a_rerun_registers_n
     (artifact,) = registry.artifacts.values()
     assert artifact["uri"] == status["uri"] and run.store.exists("models/digits/versions/1/spec.json")
     assert publish(run).get("reused") and len(registry.versions) == 1
+
+
+def test_the_token_goes_only_to_the_registry_the_environment_names(line, registry, monkeypatch):
+    """Issue 43, A14: a run's parameters can set registry.kubeflow_hub.url; the token must not follow it. A second
+    registry on loopback (the "attacker's", any address but FEDPIPE_HUB_URL's) receives no token: with a token
+    given the registration stops with an error naming FEDPIPE_HUB_URL; the trusted registry still gets it."""
+    with ModelRegistryStandIn("attacker-never-sees-it") as other:
+        seen: list[str] = []
+        real = other._dispatch
+
+        def spy(method, target, headers, raw):
+            seen.append(headers.get("Authorization", ""))
+            return real(method, target, headers, raw)
+
+        other._dispatch = spy
+        statuses = hub.sync_promoted(line, KubeflowHubConfig(url=other.url))
+        assert all(TOKEN not in h for h in seen)
+        assert statuses and all(not s["registered"] and "FEDPIPE_HUB_URL" in s["error"] for s in statuses)
+    monkeypatch.delenv(hub.ENV_TOKEN)  # only the pod's service-account token (none here): nothing is sent either
+    assert hub.is_trusted(registry.url) and not hub.is_trusted(registry.url.replace("127.0.0.1", "localhost"))
+    assert all(s["registered"] for s in hub.sync_promoted(line, KubeflowHubConfig(url=registry.url))) is False  # 401: no token

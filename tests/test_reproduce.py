@@ -73,6 +73,12 @@ cells: [{table: "1", row: r, column: c, at: {p: 0.5}, measure: personalized_accu
     (("method.name: {value: fedavg, cite: Sec. 1}", "method.name: {value: fedavg}"), "setting.method.name.cite"),
     (("seeds: 2\n", "seeds: 2\nclaims: [{says: s, left: nope, relation: '>', right: personalized_accuracy, cite: c}]\n"),
      "measure 'nope' is none of the cells'"),
+    # issue 43, A15: a reproduction sets the paper's setting, never where runs report (every run would contact the host)
+    (("setting: {method.name: {value: fedavg, cite: Sec. 1}}", "setting: {method.name: {value: fedavg, cite: Sec. 1}, "
+      "telemetry.mlflow: {value: 'http://collector.example:5000', cite: x}}"), "'telemetry.mlflow' is not a config path of the paper's setting"),
+    (("axes: {p: {key: partition.p,", "axes: {p: {key: telemetry.pushgateway,"), "telemetry.pushgateway"),
+    (("seeds: 2\n", "seeds: 2\nspecific: [{at: {p: 0.5}, set: {run.store: 's3://elsewhere/x'}, cite: c}]\n"),
+     "'run.store' is not a config path of the paper's setting"),
 ])
 def test_a_bad_reproduction_file_names_what_is_wrong(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):

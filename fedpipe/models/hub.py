@@ -21,7 +21,10 @@ Registration is idempotent: a version the registry already holds with the same a
 registered; one that holds another URI is an error naming both (nothing is overwritten).
 
 The token never enters a config, record or log: FEDPIPE_HUB_TOKEN, else the file FEDPIPE_HUB_TOKEN_FILE
-names, else the pod's service-account token (what the registry's kube-rbac-proxy or Istio checks).
+names, else the pod's service-account token (what the registry's kube-rbac-proxy or Istio checks). It goes
+only to the registry FEDPIPE_HUB_URL names (scheme, host and port), set beside the token by whoever holds
+it: registry.kubeflow_hub.url is a config field, and a Kubeflow run's parameters can set it, so a URL from
+the config alone never receives a token (as MLflow's credentials go only to MLFLOW_TRACKING_URI's server).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 ENV_TOKEN = "FEDPIPE_HUB_TOKEN"  # noqa: S105 (a variable's name)
 ENV_TOKEN_FILE = "FEDPIPE_HUB_TOKEN_FILE"  # noqa: S105
 ENV_CA = "FEDPIPE_HUB_CA_FILE"  # a PEM bundle for an https registry signed by a private CA
+ENV_URL = "FEDPIPE_HUB_URL"  # the registry the token belongs to: the only address it is sent to
 SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")  # noqa: S105
 MAX_TOKEN_BYTES = 64 * 1024
 MAX_STATUS_BYTES = 64 * 1024
@@ -101,6 +105,23 @@ def token() -> str | None:
     return data.decode("utf-8", "replace").strip() or None
 
 
+def _origin(url: str) -> tuple[str, str, int] | None:
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        return None
+    return parts.scheme, parts.hostname.lower(), port
+
+
+def is_trusted(url: str) -> bool:
+    """Whether the token may go to `url`: it is FEDPIPE_HUB_URL's registry (same scheme, host and port)."""
+    home = _origin(os.environ.get(ENV_URL, ""))
+    return home is not None and _origin(url) == home
+
+
 def _port_hint(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Server address protocol is")
 
@@ -116,10 +137,19 @@ def connect(cfg: KubeflowHubConfig):
     secure = parts.scheme == "https"
     port = parts.port or (443 if secure else 80)
     address = f"{parts.scheme}://{parts.hostname}:{port}{parts.path.rstrip('/')}"
-    bearer = token()
+    explicit = bool(os.environ.get(ENV_TOKEN, "").strip() or os.environ.get(ENV_TOKEN_FILE, "").strip())
+    if not is_trusted(cfg.url):
+        if explicit:  # a token was given for some registry: never hand it to an address the config chose
+            raise HubError(f"registry.kubeflow_hub.url {cfg.url!r} is not the registry {ENV_URL} names "
+                           f"({os.environ.get(ENV_URL, '').strip() or 'unset'}), and the token is sent only there: set {ENV_URL} "
+                           "beside the token to the registry's address (where the token's Secret is mounted), or correct the url.")
+        bearer = None  # the pod's service-account token stays home too; an http registry without auth still works
+    else:
+        bearer = token()
     if secure and not bearer:
-        raise HubError(f"registry.kubeflow_hub.url is https but no token was found: set {ENV_TOKEN} (from a Secret), "
-                       f"or {ENV_TOKEN_FILE}, or run where the service-account token is mounted ({SA_TOKEN}).")
+        raise HubError(f"registry.kubeflow_hub.url is https but no token may be sent to it: set {ENV_URL} to the registry's "
+                       f"address and {ENV_TOKEN} (from a Secret), or {ENV_TOKEN_FILE}, or run where the service-account token "
+                       f"is mounted ({SA_TOKEN}).")
     ca = os.environ.get(ENV_CA, "").strip() or None
     logging.getLogger("model-registry").addFilter(_port_hint)  # its hint misreads the registry's own port 8080 / 8443
     return ModelRegistry(address, port, author=cfg.author, is_secure=secure, user_token=bearer, custom_ca=ca)

@@ -42,7 +42,13 @@ MAX_CELLS = 2000
 MAX_AXIS_VALUES = 64
 MAX_TEXT = 600
 NAME = r"^[a-z0-9][a-z0-9_]{0,63}$"
-CONFIG_PATH = r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+$"
+#: What a reproduction file may set: the paper's setting. Where runs are stored and where their telemetry goes
+#: (run.*, telemetry.*, registry.*) are the user's (`--set`), never a file's: a shared reproduction file that
+#: named telemetry.mlflow would make every run of it contact that host.
+SETTING_SECTIONS = ("data", "partition", "model", "method", "train", "eval", "engine")
+CONFIG_PATH = r"^(" + "|".join(SETTING_SECTIONS) + r")(\.[a-z_][a-z0-9_]*)+$"
+NOT_A_SETTING = (f"is not a config path of the paper's setting (under {', '.join(SETTING_SECTIONS)}, like train.rounds; "
+                 "run.*, telemetry.* and registry.* are set with --set when you run it, never by the file)")
 Scalar = str | int | float | bool
 SCORER_MEASURES = {
     "compared_models": re.compile(r"^[a-z][a-z0-9_]{0,31}\.(local|global)$"),
@@ -83,7 +89,7 @@ class Axis(Section):
         for name, values in self.sets.items():
             for path in values:
                 if not re.match(CONFIG_PATH, path):
-                    raise ValueError(f"set {name!r}: {path!r} is not a config path like method.name")
+                    raise ValueError(f"set {name!r}: {path!r} {NOT_A_SETTING}")
         return self
 
     def overrides(self) -> dict[str, dict[str, Any]]:
@@ -194,7 +200,7 @@ class Reproduction(Section):
     def _paths(cls, v: dict[str, Cited]) -> dict[str, Cited]:
         for path in v:
             if not re.match(CONFIG_PATH, path):
-                raise ValueError(f"{path!r} is not a config path like train.rounds")
+                raise ValueError(f"{path!r} {NOT_A_SETTING}")
         return v
 
     @model_validator(mode="after")
@@ -210,7 +216,7 @@ class Reproduction(Section):
             _check_point(extra.point(), labels, f"specific[{i}]", complete=False)
             for path in extra.set:
                 if not re.match(CONFIG_PATH, path):
-                    raise ValueError(f"specific[{i}]: {path!r} is not a config path like method.num_branches")
+                    raise ValueError(f"specific[{i}]: {path!r} {NOT_A_SETTING}")
         measures = {c.measure for c in self.cells}
         for i, claim in enumerate(self.claims):
             where = f"claims[{i}] ({claim.says[:60]})"
