@@ -4,7 +4,8 @@
 .PHONY: run test setup setup-test services images clean bench-peers
 
 # Two test processes (pytest-xdist): the suite took 38 min in one, 24 in two, on 2 cores; PYTEST_ARGS= runs it in one.
-PYTEST_ARGS ?= -n 2
+# Each worker's torch gets its share of the cores (tests/conftest.py); the 25 slowest tests are listed at the end.
+PYTEST_ARGS ?= -n 2 --durations=25
 
 run: setup
 	.venv/bin/fedpipe run

@@ -14,11 +14,21 @@ skipped silently).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from services import S3_ACCESS_KEY, S3_SECRET_KEY, find_binary, free_port, start_server, stop_server
+
+# Issue 43, A19: each pytest-xdist worker's torch (and its OpenMP pool) took every core, so two workers ran 2x the
+# threads the machine has, spinning against each other: a 19 s test took over 300 s on a loaded 2-core machine.
+# Each worker gets its share of the cores instead, set before anything imports torch (OpenMP reads it once).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+WORKER_THREADS = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // _WORKERS)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+    os.environ.setdefault("MKL_NUM_THREADS", str(WORKER_THREADS))
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +37,8 @@ def _keep_torch_thread_count():
     does not leak into later tests (float sums, hence bitwise comparisons, depend on it)."""
     import torch
 
+    if _WORKERS > 1 and torch.get_num_threads() != WORKER_THREADS:
+        torch.set_num_threads(WORKER_THREADS)  # the worker's share, whatever a test set before
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)

@@ -48,8 +48,9 @@ def data_init(source: SourceArg,
     proposal = propose_image_size(source) if manifest.source.layout == "image_folders" else None
     if proposal is not None:
         side, found = proposal
-        typer.echo(f"image sizes: {found}; a run resizes them to one with data.image_size: {side} (the most common) is "
-                   f"proposed: `--set data.image_size={side}` (or image_size: {side} under data: in your config)")
+        typer.echo(f"image sizes: {found}.")
+        typer.echo(f"A run needs one size: data.image_size={side} resizes every image to {side}x{side} (bilinear, the aspect "
+                   f"ratio not kept). Set it with `--set data.image_size={side}`, or `image_size: {side}` under `data:` in your config.")
         typer.echo(f"next: fedpipe data check {source} --image-size {side}")
         return
     typer.echo(f"next: fedpipe data check {source}")

@@ -279,7 +279,7 @@ class ServingSpec:
         return {
             "format": SPEC_FORMAT, "run_id": self.run_id, "method": self.method, "model": self.model,
             "input": {"kind": self.input_kind, "shape": ["N", *self.input_shape], "dtype": dtype, "raw": RAW_INPUT[self.input_kind],
-                      "vocab_size": self.vocab_size},
+                      "vocab_size": self.vocab_size, "resize": _resize_rule(self.input_kind, self.input_shape)},
             "normalisation": {"applied": NORMALISATION[self.input_kind], "mean": _floats(self.mean), "std": _floats(self.std),
                               "source": self.normalisation_source, "source_detail": NORMALISATION_SOURCES.get(self.normalisation_source)},
             "output": "scores [N, classes] whose softmax gives the class probabilities (logits; a mixture's log-probabilities)",
@@ -309,6 +309,16 @@ class ServingSpec:
         if client not in self.clients:
             raise FedpipeError(f"No client {client!r} has a model here; the clients are: {_listed(self.clients)}.")
         return self.clients[client]
+
+
+def _resize_rule(kind: str, shape: tuple[int, ...]) -> str | None:
+    """How an image of another size becomes one input (what training did with data.image_size, and what
+    `image_rows` does for files); None for tables and text."""
+    if kind != "image":
+        return None
+    h, w = shape[-2:]
+    return (f"an image of another size is resized to {w}x{h} (PIL's bilinear filter; the aspect ratio is not kept, nothing "
+            f"is cropped or padded), as data.image_size did in training; a client sending tensors must send {h}x{w}")
 
 
 def _floats(values: tuple[float, ...] | None) -> list[float] | None:

@@ -77,7 +77,8 @@ def write_manifest(url: str, manifest: DataManifest, force: bool = False, root: 
 def reorder_labels(manifest: DataManifest, order: list[str]) -> DataManifest:
     """The manifest with its labels in `order` (the same names, in the class order the user wants)."""
     given, found = [o.strip() for o in order if o.strip()], list(manifest.labels)
-    missing, extra = [n for n in found if n not in given], [n for n in given if n not in found]
+    given_set, found_set = set(given), set(found)  # `in` on the lists was quadratic at 100,000 labels
+    missing, extra = [n for n in found if n not in given_set], [n for n in given if n not in found_set]
     if missing or extra or len(given) != len(found):
         raise DataError(f"--labels must list each label the data holds once, in the order wanted; the data holds "
                         f"{', '.join(found[:30])}{' ...' if len(found) > 30 else ''}"
@@ -107,8 +108,9 @@ SIZE_SAMPLE = 2_000  # images whose headers `propose_image_size` reads (spread e
 
 
 def propose_image_size(url: str) -> tuple[int, str] | None:
-    """For image folders of several sizes: the data.image_size to propose (the side of the most common size; a
-    tie: the smallest) and a line saying the sizes found; None when the images share one size (or are tables)."""
+    """For image folders of several sizes: the data.image_size to propose (the longer side of the most common size; a
+    tie: of the smallest, and the line says it was a tie) and a line saying the sizes found and why that side; None
+    when the images share one size (or are tables)."""
     from collections import Counter
 
     from PIL import Image
@@ -129,10 +131,12 @@ def propose_image_size(url: str) -> tuple[int, str] | None:
             continue
     if len(sizes) < 2:
         return None
-    (w, h), _ = max(sizes.items(), key=lambda kv: (kv[1], -kv[0][0] * kv[0][1]))
+    (w, h), top = max(sizes.items(), key=lambda kv: (kv[1], -kv[0][0] * kv[0][1]))
     found = ", ".join(f"{a}x{b} ({n})" for (a, b), n in sizes.most_common(6)) + (" ..." if len(sizes) > 6 else "")
     sampled = f" in a sample of {sum(sizes.values()):,}" if step > 1 else ""
-    return max(w, h), f"the images come in {len(sizes)} sizes{sampled}: {found}"
+    tied = sum(n == top for n in sizes.values())
+    why = f"the smallest of the {tied} equally common sizes" if tied > 1 else "the most common size"
+    return max(w, h), f"the images come in {len(sizes)} sizes{sampled}: {found}; {max(w, h)} is the longer side of {why}, {w}x{h}"
 
 
 def _all_grayscale(source: DataSource, images: list[SourceObject]) -> bool:
