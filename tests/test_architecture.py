@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algorithms", ("fedpipe.algorithms",)),
     ("engine", ("fedpipe.engine",)),
     ("run", ("fedpipe.run",)),
+    ("federation", ("fedpipe.federation",)),  # a run's rounds over Flower's deployment engine: beside run, above the engine
     ("models", ("fedpipe.models",)),
     ("serving", ("fedpipe.serving",)),
     ("study", ("fedpipe.study",)),

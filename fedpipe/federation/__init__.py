@@ -1,0 +1,17 @@
+"""Federation mode: the same methods run over Flower 1.42's deployment engine (a SuperLink and one
+SuperNode per site), each site keeping its own data and personal state.
+
+What runs where:
+- `spec`: the one JSON document both sides build the algorithm from (method, train, engine, model, seed).
+- `server_app`: the ServerApp (the phase task's side): rounds from `fedpipe.engine.rounds.run_phase`,
+  with a `RoundTrainer` that sends each client's download to its site and checks each upload.
+- `client_app`: the ClientApp (a site's side): loads only its own folder and trains with
+  `fedpipe.engine.clients.ClientTrainer`, the code the simulation trains clients with.
+- `sites`: a site's folder (its splits and its personal state store); `transport`: tensors <-> Flower
+  records and the upload check; `certs`: a try-out CA, server certificate and site keys; `tryout`: one
+  machine, a SuperLink and N sites, started and stopped.
+
+This package is imported by Flower's processes, which run in the separate environment that
+scripts/flower-env.sh builds (flwr 1.42 pins typer, fastapi and starlette below what .venv needs).
+`spec`, `sites`, `certs` and `tryout` import no Flower module, so .venv can prepare a federation.
+"""

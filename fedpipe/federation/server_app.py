@@ -1,0 +1,190 @@
+"""fedpipe's ServerApp: the phase task's side of a federation, run by the SuperLink for each `flwr run`.
+
+Flower 1.42 API used: `ServerApp()` with `@app.main()` taking `(grid: Grid, context: Context)`
+(flwr/serverapp/server_app.py); `grid.get_node_ids()` lists the SuperNodes connected now and
+`grid.send_and_receive(messages, timeout=...)` pushes messages and pulls the replies that arrive in time
+(flwr/serverapp/grid/grid.py); `Message(content, dst_node_id=..., message_type=..., group_id=...)`
+(flwr/app/message/message.py). The run config (`context.run_config`) comes from the FAB's
+[tool.flwr.app.config] and `flwr run --run-config` overrides.
+
+The rounds are `fedpipe.engine.rounds.run_phase`, the simulation's own loop: the same client selection,
+`algorithm.download`, `algorithm.aggregate` and learning-rate schedule. Only the `RoundTrainer` differs:
+`SiteRound` sends each chosen client's download to the site that holds it and turns each reply into a
+`ClientOutcome` after `check_upload`; a rejected or missing upload becomes a failed client (named in the
+log and in rounds.jsonl), which `run_round` leaves out while the round goes on (`train.min_clients`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fedpipe.algorithms.base import Algorithm, Phase, ServerState
+from fedpipe.engine.clients import ClientOutcome, ClientWork
+from fedpipe.engine.rounds import RoundResult, run_phase
+from fedpipe.engine.sequential import ClientStats
+from fedpipe.engine.state import PhaseState
+from fedpipe.federation.spec import FederationSpec
+from fedpipe.federation.transport import UploadRejected, check_upload, record_bytes, to_record
+
+log = logging.getLogger(__name__)
+app = ServerApp()
+DEVICE = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class SiteEntry:
+    """What the server knows of a client: its id, whether it opted out, and the Flower node that holds it."""
+
+    client_id: int
+    opt_out: bool
+    node_id: int
+
+
+class Roster:
+    """The clients as `fedpipe.engine.rounds.select_clients` reads them (`clients`, `num_clients`): ids and
+    opt-out flags only; their data stays at the sites."""
+
+    def __init__(self, entries: list[SiteEntry]):
+        self.clients = tuple(sorted(entries, key=lambda e: e.client_id))
+        self.by_id = {e.client_id: e for e in self.clients}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+
+def wait_for_sites(grid: Grid, expected: int, timeout: float) -> Roster:
+    """Wait until `expected` SuperNodes are connected, then ask each which client it holds."""
+    deadline = time.monotonic() + timeout
+    nodes: list[int] = []
+    while time.monotonic() < deadline:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= expected:
+            break
+        time.sleep(0.5)
+    if len(nodes) < expected:
+        raise TimeoutError(f"only {len(nodes)} of {expected} sites connected within {timeout:.0f}s")
+    asks = [Message(RecordDict({"ask": ConfigRecord({"what": "identity"})}), dst_node_id=n, message_type=MessageType.QUERY)
+            for n in nodes]
+    entries = []
+    for reply in grid.send_and_receive(asks, timeout=timeout):
+        if reply.has_error():
+            log.warning("Site on node %s did not identify itself: %s", reply.metadata.src_node_id, reply.error.reason)
+            continue
+        site = reply.content["site"]
+        entries.append(SiteEntry(int(site["client-id"]), bool(site["opt-out"]), reply.metadata.src_node_id))
+    ids = [e.client_id for e in entries]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"two sites claim the same client id: {sorted(ids)}")
+    return Roster(entries)
+
+
+class SiteRound:
+    """A `RoundTrainer` (fedpipe.engine.rounds) whose clients train at their sites."""
+
+    def __init__(self, grid: Grid, roster: Roster, spec: FederationSpec, phase: Phase, timeout: float, log_path: Path):
+        self.grid, self.roster, self.phase, self.timeout, self.log_path = grid, roster, phase, timeout, log_path
+        self.spec_json = spec.to_json()
+        self.rejected: list[dict] = []
+
+    def __call__(self, round_: int, lr: float, works: list[ClientWork]) -> tuple[list[ClientOutcome], None]:
+        config = ConfigRecord({"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr)})
+        messages, by_node = [], {}
+        for w in works:
+            node = self.roster.by_id[w.client_id].node_id
+            by_node[node] = w
+            messages.append(Message(RecordDict({"download": to_record(w.download), "config": config}), dst_node_id=node,
+                                    message_type=MessageType.TRAIN, group_id=f"{self.phase.name}-{round_}"))
+        replies = {r.metadata.src_node_id: r for r in self.grid.send_and_receive(messages, timeout=self.timeout)}
+        return [self._outcome(w, node, replies.get(node), round_) for node, w in by_node.items()], None
+
+    def _outcome(self, work: ClientWork, node: int, reply: Message | None, round_: int) -> ClientOutcome:
+        cid, site = work.client_id, f"site {work.client_id} (node {node})"
+        if reply is None:
+            return self._reject(cid, round_, 0, f"SiteTimeout: {site} sent no reply within {self.timeout:.0f}s")
+        if reply.has_error():
+            return self._reject(cid, round_, 0, f"SiteError: {site}: {reply.error.reason}")
+        content = reply.content
+        metrics = content["metrics"]
+        samples = int(metrics["num-samples"])
+        if "error" in content:
+            return self._reject(cid, round_, samples, f"ClientFailed: {site}: {content['error']['message']}")
+        upload, sent = None, 0
+        if "upload" in content:
+            try:  # FedAvg uploads the global model's layout: the download is the expected shape of the upload
+                upload = check_upload(site, work.download, content["upload"])
+            except UploadRejected as e:
+                return self._reject(cid, round_, samples, f"UploadRejected: {e}")
+            sent = record_bytes(content["upload"])
+        stats = ClientStats(float(metrics["loss"]), int(metrics["samples"]))
+        return ClientOutcome(cid, samples, upload, None, stats, sent)
+
+    def _reject(self, cid: int, round_: int, samples: int, error: str) -> ClientOutcome:
+        log.warning("Round %d: %s; the round goes on without it.", round_, error)
+        self.rejected.append({"round": round_, "client": cid, "error": error})
+        return ClientOutcome(cid, samples, error=error)
+
+
+class RoundLog:
+    """A RoundCallback writing one JSON line per round and the global model after each round (the server's
+    checkpoint for this step; the run store's `Checkpoints` is the next step, see docs/federation.md)."""
+
+    def __init__(self, out: Path, algorithm: Algorithm, trainer: SiteRound):
+        self.out, self.algorithm, self.trainer = out, algorithm, trainer
+
+    def on_phase_start(self, phase, state) -> None: ...
+
+    def on_round_end(self, state: PhaseState, result: RoundResult) -> None:
+        line = {"phase": result.phase.name, "round": result.round, "clients": result.clients, "failed": result.failed_clients,
+                "loss": result.loss_sum / max(result.samples, 1), "bytes_up": result.bytes_uploaded,
+                "bytes_down": result.bytes_downloaded, "seconds": result.seconds,
+                "rejected": [r for r in self.trainer.rejected if r["round"] == result.round]}
+        with open(self.out / "rounds.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        save_global(self.out / "global.safetensors", state.server.global_params)
+
+    def on_phase_end(self, phase, state) -> None: ...
+
+
+def save_global(path: Path, params: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_suffix(".tmp")
+    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in params.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float) -> PhaseState:
+    """Every phase of the spec's method, against the sites connected to `grid`."""
+    torch.set_num_threads(spec.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    algorithm, initial = spec.build(DEVICE)
+    roster = wait_for_sites(grid, spec.num_sites, timeout)
+    log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
+    state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
+    for phase in spec.phases():
+        trainer = SiteRound(grid, roster, spec, phase, timeout, out)
+        state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)])
+    save_global(out / "global.safetensors", state.server.global_params)
+    (out / "result.json").write_text(json.dumps({"phase": state.phase, "round": state.round, "sites": roster.num_clients,
+                                                 "server_client_states": len(state.clients)}))
+    return state
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    rc = context.run_config
+    out = Path(str(rc["out-dir"]))
+    try:
+        serve(grid, FederationSpec.read(str(rc["spec-file"])), out, float(rc.get("timeout", 300)))
+    except BaseException as e:  # the try-out waits on result.json or error.json
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise

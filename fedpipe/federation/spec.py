@@ -1,0 +1,105 @@
+"""The federation's spec: what both the ServerApp and every site build the same algorithm from.
+
+It carries the parts of a run's config that decide the math (method, train, engine, seed, the resolved
+model name and the data's shape), not the run config itself: `fedpipe.run.config` pulls in the report
+and plotting stack, which a site does not need (and the Flower environment does not carry).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import TypeAdapter
+
+from fedpipe.algorithms import Algorithm, MethodConfig, build_algorithm, phases_of
+from fedpipe.algorithms.base import MethodParams, Phase
+from fedpipe.config import EngineConfig, TrainConfig
+from fedpipe.errors import ConfigError
+from fedpipe.nn.networks import build_model
+from fedpipe.seeding import derive_seed
+
+#: Methods that run federated today, and why the others do not yet (one line each).
+SUPPORTED = ("fedavg",)
+
+
+def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0) -> str | None:
+    """Why `method` cannot run federated yet, in one line; None when it can."""
+    if privacy:
+        return "privacy.enabled is not federated yet: the clipped (and in local mode noised) update would need the site-side Privacy object"
+    if finetune_epochs:
+        return "method.finetune_epochs > 0 is not federated yet: the finetune phase's personal models would need a site-side evaluation step"
+    if method not in SUPPORTED:
+        return (f"method {method!r} is not federated yet: only {', '.join(SUPPORTED)} (one download, one upload, no personal "
+                "state the server reads) is wired to the SuperLink so far")
+    return None
+
+
+@dataclass
+class FederationSpec:
+    method: dict  # the MethodConfig, dumped
+    train: dict  # TrainConfig, dumped
+    engine: dict  # EngineConfig, dumped
+    seed: int
+    model_name: str  # resolved (never "auto")
+    input_shape: list[int]
+    num_classes: int
+    num_sites: int
+    threads: int = 1  # torch threads in each ServerApp / ClientApp process
+    extra: dict = field(default_factory=dict)
+
+    # --- (de)serialisation ---------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> FederationSpec:
+        return cls(**json.loads(text))
+
+    @classmethod
+    def read(cls, path: str | Path) -> FederationSpec:
+        return cls.from_json(Path(path).read_text())
+
+    @classmethod
+    def from_run_config(cls, cfg, input_shape: tuple[int, ...], num_classes: int, num_sites: int) -> FederationSpec:
+        """From a `fedpipe.run.config.RunConfig` (in .venv, where the run config lives); refuses what is not federated yet."""
+        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs)
+        if why:
+            raise ConfigError(why)
+        return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
+                   cfg.run.seed, cfg.model_name(tuple(input_shape)), list(input_shape), num_classes, num_sites,
+                   threads=cfg.run.threads or 1)
+
+    # --- what both sides build -------------------------------------------------------------------
+    @property
+    def method_params(self) -> MethodParams:
+        return TypeAdapter(MethodConfig).validate_python(self.method)
+
+    @property
+    def train_cfg(self) -> TrainConfig:
+        return TrainConfig.model_validate(self.train)
+
+    @property
+    def engine_cfg(self) -> EngineConfig:
+        return EngineConfig.model_validate(self.engine)
+
+    def phases(self) -> list[Phase]:
+        return phases_of(self.method_params, self.train_cfg.rounds)
+
+    def phase(self, name: str) -> Phase:
+        for p in self.phases():
+            if p.name == name:
+                return p
+        raise ConfigError(f"method {self.method['name']!r} has no phase {name!r}")
+
+    def build(self, device: torch.device) -> tuple[Algorithm, dict[str, torch.Tensor]]:
+        """The algorithm and the seeded initial global parameters: the same steps as
+        `fedpipe.run.run.Run.build_algorithm` (same seed key, same weights), without loading the dataset."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, "init-global"))
+            model = build_model(self.model_name, tuple(self.input_shape), self.num_classes)
+        model = model.to(device)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return build_algorithm(self.method_params, model, self.seed), initial

@@ -1,0 +1,242 @@
+"""One machine try-out: a SuperLink and N site processes on 127.0.0.1, TLS and SuperNode authentication on,
+a fedpipe run submitted to them, and everything this started stopped at the end.
+
+Flower 1.42 commands used (all from the environment scripts/flower-env.sh builds):
+- `flower-superlink --ssl-ca-certfile CA --ssl-certfile CRT --ssl-keyfile KEY --enable-supernode-auth
+  --host 127.0.0.1 --port P --disable-runtime-dependency-installation`: one HTTPS port serves the Fleet,
+  Control and Runtime APIs (flwr/superlink/cli/flower_superlink.py); `--enable-supernode-auth` requires TLS
+  and turns off self-registration through the Fleet API (flwr/superlink/servicer/fleet/fleet_handlers.py
+  `register_node` raises FLEET_SUPERNODE_REGISTRATION_DISABLED), so only keys registered through the
+  Control API can activate.
+- `flwr supernode register KEY.pub CONNECTION` (flwr/cli/supernode/register.py): registers a site's public
+  key; CONNECTION is a [superlink.NAME] entry (address, root-certificates) of $FLWR_HOME/config.toml
+  (flwr/cli/flower_config.py).
+- `flower-supernode --superlink 127.0.0.1:P --root-certificates CA --auth-supernode-private-key KEY
+  --node-config 'site-dir="..."' --port Q` (flwr/supernode/cli/flower_supernode.py): Q is the SuperNode's own
+  Runtime API port (one per site on one machine).
+- `flwr run APP_DIR CONNECTION --run-config ...` (flwr/cli/run/run.py): builds the FAB from APP_DIR's
+  pyproject.toml and starts the run through the Control API.
+
+Usage (from .venv, which prepares the sites; the Flower processes run in the Flower environment):
+    python -m fedpipe.federation.tryout -c examples/fedavg_mnist5k.yaml --set partition.num_clients=4 --work /tmp/fl
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedpipe.federation.certs import make_site_key, make_tls
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ENV = ROOT / ".cache" / "flower-venv"
+CONNECTION = "fedpipe-tryout"
+
+APP_PYPROJECT = """\
+[project]
+name = "fedpipeapp"
+version = "0.1.0"
+description = "fedpipe's ServerApp and ClientApp (the code lives in the fedpipe package at the sites and the server)"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedpipe"
+
+[tool.flwr.app.components]
+serverapp = "fedpipe.federation.server_app:app"
+clientapp = "fedpipe.federation.client_app:app"
+
+[tool.flwr.app.config]
+spec-file = "{spec}"
+out-dir = "{out}"
+timeout = {timeout}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackFederation:
+    """Start with `start()` (or `with`), add sites with `start_site`, submit with `run`, and `stop()`: every
+    process this started (each in its own process group, with its children) is ended, and only those."""
+
+    def __init__(self, work: str | Path, env: str | Path = DEFAULT_ENV):
+        self.work, self.env = Path(work), Path(env)
+        self.bin = self.env / "bin"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self.port = free_port()
+        self.home = self.work / "flwr-home"
+        self.certs = self.work / "certs"
+
+    # --- environment -----------------------------------------------------------------------------
+    def _environ(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
+        env["PATH"] = f"{self.bin}:{env.get('PATH', '')}"
+        env["FLWR_HOME"] = str(self.home)
+        env["PYTHONPATH"] = str(ROOT)
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+        env["FLWR_TELEMETRY_ENABLED"] = "0"
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = self.work / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.logs[name] = log
+        p = subprocess.Popen(["nice", "-n", "10", *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=self._environ(),
+                             start_new_session=True, cwd=self.work)
+        self.procs[name] = p
+        return p
+
+    def _cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.bin / "flwr"), *args], capture_output=True, text=True, env=self._environ(),
+                              timeout=timeout, cwd=self.work)
+
+    def log_of(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
+
+    # --- the SuperLink -------------------------------------------------------------------------------
+    def start(self) -> LoopbackFederation:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.tls = make_tls(self.certs)
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n'
+            f'root-certificates = "{self.tls["ca_cert"]}"\n')
+        self._spawn("superlink", [str(self.bin / "flower-superlink"), "--ssl-ca-certfile", str(self.tls["ca_cert"]),
+                                  "--ssl-certfile", str(self.tls["server_cert"]), "--ssl-keyfile", str(self.tls["server_key"]),
+                                  "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"])
+        self._wait_port(self.port, "superlink")
+        return self
+
+    def _wait_port(self, port: int, name: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited ({self.procs[name].returncode}):\n{self.log_of(name)[-3000:]}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} did not listen on {port} within {timeout}s:\n{self.log_of(name)[-3000:]}")
+
+    # --- sites ---------------------------------------------------------------------------------------
+    def register(self, public_key: Path) -> None:
+        r = self._cli("supernode", "register", str(public_key), CONNECTION)
+        if r.returncode != 0:
+            raise RuntimeError(f"flwr supernode register {public_key.name} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+    def start_site(self, folder: str | Path, name: str | None = None, register: bool = True, max_retries: int | None = None) -> str:
+        """A SuperNode for the site folder `folder`, with a fresh key pair (registered unless `register=False`)."""
+        folder = Path(folder)
+        name = name or folder.name
+        private, public = make_site_key(self.certs / "sites", name)
+        if register:
+            self.register(public)
+        args = [str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--root-certificates",
+                str(self.tls["ca_cert"]), "--auth-supernode-private-key", str(private), "--node-config",
+                f'site-dir="{folder.resolve()}"', "--port", str(free_port())]
+        if max_retries is not None:
+            args += ["--max-retries", str(max_retries)]
+        self._spawn(name, args)
+        return name
+
+    # --- a run ---------------------------------------------------------------------------------------
+    def run(self, spec_file: Path, out: Path, timeout: float = 300) -> dict:
+        """Submit fedpipe's app for `spec_file`, wait for the ServerApp's result.json (or error.json)."""
+        app = self.work / "fedpipeapp"
+        app.mkdir(parents=True, exist_ok=True)
+        (app / "pyproject.toml").write_text(APP_PYPROJECT.format(spec=Path(spec_file).resolve(), out=Path(out).resolve(), timeout=timeout))
+        r = self._cli("run", str(app), CONNECTION, "--format", "json")
+        if r.returncode != 0:
+            raise RuntimeError(f"flwr run failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (out / "result.json").exists():
+                return json.loads((out / "result.json").read_text())
+            if (out / "error.json").exists():
+                raise RuntimeError(f"the ServerApp failed: {(out / 'error.json').read_text()}\n{self.log_of('superlink')[-3000:]}")
+            if self.procs["superlink"].poll() is not None:
+                raise RuntimeError(f"the SuperLink exited:\n{self.log_of('superlink')[-3000:]}")
+            time.sleep(0.5)
+        raise TimeoutError(f"no result within {timeout}s; SuperLink log:\n{self.log_of('superlink')[-3000:]}")
+
+    # --- stopping ------------------------------------------------------------------------------------
+    def stop(self, name: str | None = None) -> None:
+        for n in [name] if name else list(self.procs)[::-1]:
+            p = self.procs.pop(n, None)
+            if p is None or p.poll() is not None:
+                continue
+            try:
+                os.killpg(p.pid, signal.SIGTERM)  # its own session: the process and the children it spawned
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> LoopbackFederation:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def prepare(cfg, work: Path) -> tuple[Path, list[Path]]:
+    """In .venv: split the dataset the way the simulation does (`fedpipe.run.run.federated_data` of the run's
+    partition) and write one folder per site plus the spec; returns (spec file, site folders)."""
+    import torch
+
+    from fedpipe.data.partition import make_partition
+    from fedpipe.federation.sites import export_sites
+    from fedpipe.federation.spec import FederationSpec
+    from fedpipe.run.run import Run, federated_data
+
+    run = Run(cfg)
+    partition = make_partition(run.bundle, cfg.partition, cfg.run.seed)
+    data = federated_data(run, partition, torch.device("cpu"))
+    folders = export_sites(data, work / "sites")
+    spec = FederationSpec.from_run_config(cfg, data.input_shape, data.num_classes, len(folders))
+    spec_file = work / "spec.json"
+    spec_file.write_text(spec.to_json())
+    return spec_file, folders
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from fedpipe.run.config import load_config
+
+    p = argparse.ArgumentParser(description="Run a fedpipe config as a loopback federation (SuperLink + one site per client).")
+    p.add_argument("-c", "--config")
+    p.add_argument("--set", action="append", default=[], help="config override, as fedpipe run --set")
+    p.add_argument("--work", required=True, help="folder for certificates, sites, logs and the result")
+    p.add_argument("--env", default=str(DEFAULT_ENV), help="the Flower environment (scripts/flower-env.sh)")
+    p.add_argument("--timeout", type=float, default=600)
+    a = p.parse_args(argv)
+    cfg = load_config(a.config, a.set)
+    work = Path(a.work)
+    spec_file, folders = prepare(cfg, work)
+    with LoopbackFederation(work, a.env) as fed:
+        for f in folders:
+            fed.start_site(f)
+        result = fed.run(spec_file, work / "out", a.timeout)
+    print(json.dumps(result))
+    print((work / "out" / "rounds.jsonl").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

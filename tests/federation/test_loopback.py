@@ -1,0 +1,115 @@
+"""A real loopback federation on Flower 1.42's deployment engine against the simulation of the same partition.
+
+One SuperLink and 4 site processes on 127.0.0.1, TLS on, SuperNode authentication on (each site's key
+registered with `flwr supernode register`), each site reading only its own folder; a fifth site whose key
+was never registered must be refused. FedAvg, every site every round, 3 rounds, seed 0: the global model
+must equal the simulation's.
+
+Tolerance: atol 1e-6 + rtol 1e-5 on every parameter. Why not bitwise: the transport is exact (float32 arrays
+travel with their dtype and bytes, fedpipe/federation/transport.py), the client code is the same
+(ClientTrainer, one thread in both), and the aggregation is the same function over the uploads in the same
+client order; what may still differ is the order of the floating-point sums in the weighted average when the
+two sides hold the uploads in a different order, and the two environments' torch builds (the CUDA wheel in
+.venv, the CPU wheel at the sites) may pick different CPU kernels. Either changes a float32 parameter by a few
+ulps per round (~1e-7 relative, compounded over 3 rounds of SGD), far below 1e-5; a real difference (a missing
+client, a wrong weight, a different download) moves parameters by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+from fedpipe.federation.tryout import LoopbackFederation, prepare
+from fedpipe.run.config import load_config
+from fedpipe.run.run import Run
+
+pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+
+OVERRIDES = [
+    "method.name=fedavg",
+    "partition.scheme=pathological",
+    "partition.num_clients=4",
+    "model.name=twonn",
+    "train.rounds=3",
+    "train.local_epochs=1",
+    "train.batch_size=20",
+    "train.client_fraction=1.0",
+    "engine.clients=sequential",
+    "run.threads=1",
+    "run.seed=0",
+    "telemetry.progress=false",
+]
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory, flower_env):
+    """The simulation's final global model, and a loopback federation of the same config, run once for the module."""
+    work = tmp_path_factory.mktemp("federation")
+    cfg = load_config(None, [*OVERRIDES, f"run.store={work / 'store'}", "run.id=loopback"])
+
+    t0 = time.perf_counter()
+    run = Run(cfg)
+    run.partition()
+    state = None
+    for phase in run.phases():
+        state = run.train(phase.name)
+    simulated = {k: v.detach().cpu() for k, v in state.server.global_params.items()}
+    sim_seconds = time.perf_counter() - t0
+
+    spec_file, folders = prepare(cfg, work)
+    t0 = time.perf_counter()
+    with LoopbackFederation(work, flower_env) as fed:
+        for folder in folders:
+            fed.start_site(folder)
+        intruder = folders[0].parent / "site-intruder"
+        intruder.mkdir()
+        (intruder / "site.json").write_text(json.dumps({"client_id": 99, "opt_out": False}))
+        fed.start_site(intruder, name="intruder", register=False, max_retries=2)
+        result = fed.run(spec_file, work / "out", timeout=400)
+        intruder_log = fed.log_of("intruder")
+        intruder_exit = fed.procs["intruder"].poll()
+    fed_seconds = time.perf_counter() - t0
+    federated = safetensors.torch.load_file(str(work / "out" / "global.safetensors"))
+    rounds = [json.loads(line) for line in (work / "out" / "rounds.jsonl").read_text().splitlines()]
+    print(f"simulation {sim_seconds:.1f}s, loopback federation {fed_seconds:.1f}s (rounds: {[round(r['seconds'], 1) for r in rounds]})")
+    return dict(simulated=simulated, federated=federated, result=result, rounds=rounds, work=work,
+                intruder_log=intruder_log, intruder_exit=intruder_exit, folders=folders)
+
+
+def test_fedavg_federated_equals_simulation(loopback):
+    sim, fed = loopback["simulated"], loopback["federated"]
+    assert sim.keys() == fed.keys()
+    worst = 0.0
+    for name in sim:
+        assert fed[name].dtype == sim[name].dtype == torch.float32
+        torch.testing.assert_close(fed[name], sim[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+        worst = max(worst, float((fed[name] - sim[name]).abs().max()))
+    print(f"largest parameter difference federation vs simulation: {worst:.3g}")
+    # and the rounds really trained: the model moved away from its start
+    assert loopback["result"] == {"phase": "federation", "round": 3, "sites": 4, "server_client_states": 0}
+    assert [r["clients"] for r in loopback["rounds"]] == [4, 4, 4]
+    assert all(r["failed"] == 0 and r["bytes_up"] > 0 for r in loopback["rounds"])
+
+
+def test_each_site_reads_only_its_own_folder(loopback):
+    """Each site folder holds one client's tensors; the ClientApp's only data path is its node config's site-dir."""
+    for folder in loopback["folders"]:
+        meta = json.loads((folder / "site.json").read_text())
+        assert folder.name == f"site-{meta['client_id']}"
+        assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "site.json"]  # FedAvg keeps no personal state
+
+
+def test_unregistered_site_is_refused(loopback):
+    """The intruder's key was never registered: the SuperLink refuses its activation, so it never joins a round."""
+    log = loopback["intruder_log"]
+    assert loopback["result"]["sites"] == 4  # the server saw only the 4 registered sites
+    # Flower 1.42: the SuperLink answers the activation with error code 2004 (FLEET_NODE_ACTIVATION_FAILED, no
+    # node with that public key); the SuperNode logs "Exit Code: 305" and its process exits with status 1
+    assert "Failed to activate SuperNode" in log, log[-3000:]
+    assert loopback["intruder_exit"] != 0, "the unregistered SuperNode must not end cleanly"  # None: still retrying
