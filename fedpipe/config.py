@@ -215,6 +215,11 @@ class DropCheckConfig(Section):
     """...or whose label distribution moved by more than this (total variation distance, 0..1) since."""
     min_samples: int = Field(10, ge=1)
     """Clients with fewer test samples in the new drop are reported but never flagged (too few to tell)."""
+    relabel_below_chance: float = Field(0.5, ge=0.0, le=1.0)
+    """...or on whose NEW test samples (those the promoted version's drop did not hold; at least min_samples) the
+    promoted model scores below this many times chance, having scored at least chance_multiple x chance on that
+    client at registration: the signature of files moved to other labels and renamed (new samples, so no shared
+    sample shows it; the client's whole split falls too little for max_drop). 0: this rule is off."""
 
 
 class KubeflowHubConfig(Section):

@@ -134,11 +134,34 @@ def models_list(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = N
     for n, claim in abandoned(line):
         typer.echo(f"  v{n:<4} claimed {claim.get('time', '?')} by run {claim.get('run_id', '?')} but never registered (a "
                    f"registration that died, or one still writing): `fedpipe models clean {name}` removes its files", err=True)
+    moved = {e["version"]: e for e in _history_or_none(line)}  # each version's latest promotion or rollback
     for v in versions:
         r = line.record(v)
-        decision = r.decision.get("reason") or ("promoted" if r.decision.get("promoted") else "no decision recorded")
         typer.echo(f"{'*' if v == promoted else ' '} v{v:<4} {r.created:<25} {_accuracy(r.summary)}  data {_snapshot(r.data_snapshot)}  "
-                   f"{_privacy(r).partition(' (')[0]}  run {r.run_id}  gate: {decision}")
+                   f"{_privacy(r).partition(' (')[0]}  run {r.run_id}  {_gate_said(r.decision, moved.get(v))}")
+
+
+def _history_or_none(line) -> list[dict]:
+    """The line's history; a damaged pointer or entry (said by `_promoted_or_warn`) shows as none."""
+    from fedpipe.errors import CorruptArtifactError
+
+    try:
+        return line.history()
+    except CorruptArtifactError:
+        return []
+
+
+def _gate_said(decision: dict, moved: Optional[dict]) -> str:
+    """A version's gate decision for `models list`; for a version the gate refused that was promoted (or rolled back
+    to) since, that history entry first, so a promoted version never reads as only "not promoted"."""
+    said = decision.get("reason") or ("promoted" if decision.get("promoted") else "no decision recorded")
+    if moved is None or decision.get("promoted") is not False:
+        return f"gate: {said}"
+    from fedpipe.models.line import REGATED
+
+    how = ("regated" if moved["reason"].startswith(REGATED) else
+           "rolled back to by hand" if moved["action"] == "rollback" else "promoted by hand")
+    return f"{how} (history #{moved['seq']} {moved['time']}: {moved['reason']}); gate at registration: {said}"
 
 
 @models_app.command("show")
@@ -210,30 +233,50 @@ def models_regate(ref: Annotated[str, typer.Argument(metavar="NAME@VERSION", hel
     line, version = _line_and_version(ref, store, None, None, default_latest=False)
     result = regate(line, version, list(set or []))
     verdict = "promoted" if result["changed"] else ("already promoted" if result["promoted"] else "not promoted")
-    typer.echo(f"model line {line.name}, version {version}: {verdict}: {result['reason']}")
+    said = result["reason"]
+    for prefix in ("promoted: ", "not promoted: "):  # the decision's own reason opens with its verdict: said once
+        said = said.removeprefix(prefix)
+    typer.echo(f"model line {line.name}, version {version}: {verdict}: {said}")
+    if "context" in result:
+        typer.echo(f"  decided      {result['context']}")
 
 
 @models_app.command("promote")
 @_guarded
 def models_promote(name: LineArg, version: Annotated[int, typer.Argument(min=1, help="The version to promote (`fedpipe models list NAME`).")],
                    reason: Annotated[str, typer.Option(help="Why, for the history (shown by `fedpipe models show`).")] = "promoted by hand",
+                   force: Annotated[bool, typer.Option("--force", help="Promote a version the gate refused (its record says why).")] = False,
                    store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
-    """Promote a version by hand, whatever the gate decided: `fedpipe predict` and warm starts use it from now on.
-    Of two promotions made at once one wins and the other changes nothing and says so."""
+    """Promote a version by hand: `fedpipe predict` and warm starts use it from now on. A version the gate refused
+    is promoted only with --force (the refusal is said, and recorded in the history); `fedpipe models regate` decides
+    again instead. Of two promotions made at once one wins and the other changes nothing and says so."""
+    from fedpipe.models.line import MAX_REASON_CHARS, refusal
+
     line = _model_line(name, store, config, set)
     before = line.log.pointer()
-    line.promote(version, reason)
+    why = refusal(line, version) if version in line.versions() else ""
+    if why and force:
+        typer.echo(f"warning: the gate refused version {version} at registration ({why}); promoting it by hand (--force).", err=True)
+        reason = f"{reason} (--force, over the gate's refusal: {why})"[:MAX_REASON_CHARS]
+    line.promote(version, reason, over_refusal=force)
     typer.echo(f"model line {name}: version {version} promoted (was {before.version if before else 'none'})")
 
 
 @models_app.command("rollback")
 @_guarded
-def models_rollback(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None):
+def models_rollback(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None,
+                    force: Annotated[bool, typer.Option("--force", help="Roll back to a version the gate refused (promoted by hand before).")] = False):
     """Promote again the version promoted before the current one (per the history; rolling back twice goes two
-    promotions back). Its record must be unchanged since it was promoted."""
+    promotions back). Its record must be unchanged since it was promoted. A version the gate refused (promoted by
+    hand before) is rolled back to only with --force."""
     line = _model_line(name, store, config, set)
     current = line.log.pointer()
-    version = line.rollback()
+    from fedpipe.models.line import refusal
+
+    version = line.rollback(over_refusal=force)
+    if why := refusal(line, version):
+        typer.echo(f"warning: the gate refused version {version} at registration ({why}); rolled back to it by hand (--force).",
+                   err=True)
     typer.echo(f"model line {name}: version {version} promoted again (rolled back from {current.version if current else 'none'})")
 
 
@@ -283,7 +326,7 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
 
     curl -s localhost:8080/v2/models/sites/infer -H 'Content-Type: application/json' -d '{"parameters": {"client": "hospital-a"}, "inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0, 0, 80, 255, 160, 0, 0, 0, 0, 0, 240, 96, 255, 64, 0, 0, 0, 48, 255, 0, 176, 128, 0, 0, 0, 64, 192, 0, 0, 128, 0, 0, 0, 80, 128, 0, 0, 144, 0, 0, 0, 64, 176, 0, 16, 192, 0, 0, 0, 32, 224, 80, 192, 96, 0, 0, 0, 0, 96, 240, 160, 0, 0, 0]}]}'
 
-The answer holds "probabilities" (per label, in spec.json's label order), "label" (the best label's name) and "label_index", and says which version and model answered (parameters: version, model, client). The client can go in the Fedpipe-Client header instead; v1 works too: POST /v1/models/sites:predict with {"instances": [[[...8x8 pixels...]]], "parameters": {"client": "hospital-a"}}. GET /v2/models/sites says the input's shape and datatype; /metrics shows fedpipe_serving_cached_models.""")
+The answer holds "probabilities" (per label, in spec.json's label order), "label" (the best label's name) and "label_index", and says which version and model answered (parameters: version, model, client). The client can go in the Fedpipe-Client header instead; v1 works too: POST /v1/models/sites:predict with {"instances": [[[...8x8 pixels...]]], "parameters": {"client": "hospital-a"}}. GET /v2/models/sites says the input's shape and datatype; /metrics shows fedpipe_serving_cached_models. /v2/health/ready answers 503 unless the model is ready to answer; the model repository extension (POST /v2/repository/models/NAME/load or unload) is refused with 403: promote a version to change what is served. The Fedpipe-Client header is read as UTF-8.""")
 @_guarded
 def models_serve(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", help="The line, and a version to pin. Without a version the promoted one is served and followed: a promotion or rollback is served within --reload-seconds.")],
                  store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None,
@@ -302,7 +345,7 @@ def models_serve(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", he
     model and every client's personalized model behind one endpoint, the client named per request. Models load
     when first asked for into a bounded cache; inputs are raw (pixels 0..255, feature values, token ids) as
     spec.json says. The same program runs in the InferenceService that `fedpipe models deploy` writes. Needs the
-    serve extra (pip install 'fedpipe[serve]')."""
+    serve extra (pip install 'fedpipe\\[serve]')."""
     from fedpipe.serving.predictor import ServeOptions
 
     options = ServeOptions(cache_size=cache_size, unknown_client=unknown_client, reload_seconds=reload_seconds,
@@ -336,10 +379,12 @@ def models_serve(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", he
 
 Then: curl -H 'Content-Type: application/json' http://<the InferenceService's URL>/v2/models/sites/infer -d '{"parameters": {"client": "hospital-a"}, "inputs": [...]}' (see `fedpipe models serve --help`).""")
 @_guarded
-def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None,
+def models_deploy(ref: Annotated[str, typer.Argument(metavar="NAME[@VERSION]", help="The line, and a version to pin. Without a version the predictor follows the promoted one (--storage store), and nothing is read from the store to write the InferenceService; with --storage s3 or model-registry (or --pin) the version promoted now is read from the store, unless given here.")],
+                  store: LineStoreOpt = None, config: ConfigOpt = None, set: SetOpt = None,
                   namespace: Annotated[Optional[str], typer.Option(help="Namespace of the InferenceService (a Kubeflow profile's, e.g. kubeflow-user-example-com); needed with --apply.")] = None,
-                  image: Annotated[str, typer.Option(help="The predictor's image: fedpipe's image, which has the serve extra.")] = f"ghcr.io/fedpipe/fedpipe:{__version__}",
-                  storage: Annotated[str, typer.Option(help="How the predictor gets the models: 'store' reads the line from the store and follows the promoted version (a promotion is served within --reload-seconds, no rollout); 's3' or 'model-registry' pins the version promoted now as the predictor's STORAGE_URI (s3://.../models/NAME/versions/N/, or model-registry://NAME/N for a version registered in Kubeflow Hub), which KServe downloads; a promotion then needs another deploy.")] = "store",
+                  image: Annotated[str, typer.Option(help="The predictor's image: fedpipe's image, which has the serve extra; REPOSITORY:TAG or, pinned, REPOSITORY@sha256:DIGEST.")] = f"ghcr.io/fedpipe/fedpipe:{__version__}",
+                  image_pull_policy: Annotated[Optional[str], typer.Option(help="The container's imagePullPolicy: Always, IfNotPresent or Never (default: IfNotPresent for an image pinned by digest, Always for a tag, which can be moved to other bytes).")] = None,
+                  storage: Annotated[str, typer.Option(help="How the predictor gets the models: 'store' reads the line from the store and follows the promoted version (a promotion is served within --reload-seconds, no rollout); 's3' or 'model-registry' pins the version promoted now (or NAME@VERSION's) as the predictor's STORAGE_URI (s3://.../models/NAME/versions/N/, or model-registry://NAME/N for a version registered in Kubeflow Hub), which KServe downloads; a promotion then needs another deploy.")] = "store",
                   hub_model: Annotated[Optional[str], typer.Option(help="With --storage model-registry: the model's name in Kubeflow Hub (registry.kubeflow_hub.model of the runs; default: the line's name).")] = None,
                   pin: Annotated[bool, typer.Option("--pin", help="With --storage store: serve the version promoted now, never another.")] = False,
                   signing_secret: Annotated[Optional[str], typer.Option(help="Secret holding the signing key the line's runs signed with, under the key 'key' (the chart's: <release>-signing).")] = None,
@@ -355,16 +400,18 @@ def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt =
                   apply: Annotated[bool, typer.Option("--apply", help="Create or replace it in the cluster (in-cluster config or ~/.kube/config) instead of printing it.")] = False):
     """Write the KServe InferenceService that serves a model line's promoted version (KServe 0.16 of Kubeflow 26.03
     and 0.18 of 26.03.1): a custom predictor running `fedpipe models serve` in fedpipe's image, reading the store
-    with the pipeline's credentials and signing key. Prints YAML, or with --apply creates it."""
+    with the pipeline's credentials and signing key. Prints YAML, or with --apply creates it. The store is read only
+    to find the promoted version of a pinned deployment (--storage s3 or model-registry, or --pin) that names none."""
     import yaml
 
     from fedpipe.serving.inference_service import ServingDeployment, inference_service
     from fedpipe.serving.inference_service import apply as apply_isvc
 
-    line, version = _line_and_version(name, store, config, set, default_latest=False)
+    name, version = _deployed_version(ref, storage, pin, store, config, set)
     url = store if store is not None else _load(config, set).run.store
     (cpu_req, _, cpu_lim), (mem_req, _, mem_lim) = cpu.partition(","), memory.partition(",")
-    deployment = ServingDeployment(line=name, version=version, store=url, image=image, namespace=namespace, storage=storage, follow=not pin,
+    deployment = ServingDeployment(line=name, version=version, store=url, image=image, image_pull_policy=image_pull_policy,
+                                   namespace=namespace, storage=storage, follow=not pin and version is None,
                                    cache_size=cache_size, unknown_client=unknown_client, reload_seconds=reload_seconds, s3_endpoint=s3_endpoint,
                                    storage_secret=s3_secret, signing_secret=signing_secret, trust_unsigned=trust_unsigned,
                                    service_account=service_account, hub_model=hub_model,
@@ -376,6 +423,25 @@ def models_deploy(name: LineArg, store: LineStoreOpt = None, config: ConfigOpt =
     if not namespace:
         raise FedpipeError("--apply needs --namespace: the namespace to create the InferenceService in.")
     typer.echo(apply_isvc(doc, namespace))
+
+
+def _deployed_version(ref: str, storage: str, pin: bool, store, config, overrides) -> tuple[str, Optional[int]]:
+    """NAME[@VERSION] of `models deploy`: the line's name, and the version it pins (None: the promoted one, followed).
+    The store is read only for a pinned deployment that names no version: the version promoted now."""
+    from fedpipe.errors import StoreError
+
+    name, _, given = ref.partition("@")
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise FedpipeError(f"{ref!r}: the version after '@' is a number 1, 2, ... (`fedpipe models list {name}`).")
+        return name, int(given)
+    if storage == "store" and not pin:
+        return name, None  # the predictor reads the promoted pointer itself
+    try:
+        return name, _line_and_version(name, store, config, overrides, default_latest=False)[1]
+    except StoreError as e:
+        raise FedpipeError(f"{e} To write the InferenceService without reading the store, name the version: "
+                           f"fedpipe models deploy {name}@VERSION.") from None
 
 
 def _wait_for_promotion(line, every: float) -> None:

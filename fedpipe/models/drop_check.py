@@ -10,8 +10,21 @@ split and compares with the figures the version recorded of itself when it was r
 A client is flagged when it has at least `min_samples` test samples now and
 - its accuracy fell by more than `max_drop`, or
 - it fell below `chance_multiple` x chance (1 / classes) having been above it, or
-- its label distribution moved by more than `max_label_shift` (total variation distance).
+- its label distribution moved by more than `max_label_shift` (total variation distance), or
+- relabelled new samples (`relabel_below_chance`): on the client's NEW test samples (those the promoted version's
+  drop did not hold; at least `min_samples` of them) the promoted version scores below `relabel_below_chance` x
+  chance, while it scored at least `chance_multiple` x chance on that client at registration.
 Any flagged client marks the drop as suspect: the candidate is not promoted.
+
+Why the last rule: files moved to another label folder AND renamed are new samples (a sample's identity is its
+client and file name, `fedpipe.data.identity`), so no sample both drops hold shows the change, and when a fifth of a
+client's files move, its whole test split falls by only ~0.2, under `max_drop`. But on the moved files themselves
+the promoted model, fine on that client before, is far BELOW chance (0.01 where chance is 0.1): it keeps
+predicting what the images show, and every label contradicts it. A benign drop's new samples (more of the same
+sources) score about what the client scored before. A site that starts sending only a label it never had looks the
+same to the promoted model and is flagged too: if the change is real, decide again with
+`fedpipe models regate LINE@V --set registry.drop_check.relabel_below_chance=0`. (New samples diluted with many
+benign ones are caught only as far as the other rules catch them.)
 """
 
 from __future__ import annotations
@@ -88,21 +101,39 @@ class ClientCheck:
     samples: int  # test samples in the new drop
     shift: float  # total variation distance of its label distribution since
     flagged: str = ""  # why it is flagged ("" when it is not)
+    on_new: float | None = None  # ... on the client's new test samples alone (None: none, or not known)
+    new_samples: int = 0  # how many of the client's test samples are new
 
     def to_json(self) -> dict:
         return {"client": self.name, "then": round(self.then, 6), "now": round(self.now, 6), "test_samples": self.samples,
-                "label_shift": round(self.shift, 6), "flagged": self.flagged}
+                "label_shift": round(self.shift, 6), "on_new": None if self.on_new is None else round(self.on_new, 6),
+                "new_test_samples": self.new_samples, "flagged": self.flagged}
+
+
+def relabelled(before: float, on_new: float | None, new_samples: int, num_classes: int, cfg: DropCheckConfig) -> str:
+    """The relabelled-new-samples rule (the module's docstring): why it flags a client ("" when it does not)."""
+    chance = 1 / max(1, num_classes)
+    below, fine = cfg.relabel_below_chance * chance, cfg.chance_multiple * chance
+    if on_new is None or new_samples < cfg.min_samples or not on_new < below or before < fine:
+        return ""
+    return (f"its {new_samples} new test samples look relabelled: the promoted model scores {on_new:.3f} on them, below "
+            f"{cfg.relabel_below_chance:g}x chance ({below:.3f}), having scored {before:.3f} on this client at registration "
+            "(relabel_below_chance)")
 
 
 def check_drop(then: dict[str, ClientFigures], now: dict[str, float], samples: dict[str, int],
-               labels_now: dict[str, np.ndarray], num_classes: int, cfg: DropCheckConfig) -> list[ClientCheck]:
+               labels_now: dict[str, np.ndarray], num_classes: int, cfg: DropCheckConfig,
+               on_new: dict[str, tuple[float, int]] | None = None) -> list[ClientCheck]:
     """Every client the promoted version recorded and the new drop holds, with why it is flagged (if it is);
-    flagged clients first, worst first."""
+    flagged clients first, worst first. `on_new`: the promoted version's accuracy on each client's new test
+    samples and their count (the relabelled-new-samples rule; without it that rule is not applied)."""
     floor = cfg.chance_multiple / max(1, num_classes)
+    on_new = on_new or {}
     checks = []
     for name in sorted(set(then) & set(now)):
         before, after, n = then[name].accuracy, now[name], samples.get(name, 0)
         shift = label_shift(then[name].label_counts, labels_now[name]) if name in labels_now else 0.0
+        fresh, fresh_n = on_new.get(name, (None, 0))
         why = ""
         if n >= cfg.min_samples:
             if before - after > cfg.max_drop:
@@ -111,5 +142,6 @@ def check_drop(then: dict[str, ClientFigures], now: dict[str, float], samples: d
                 why = f"accuracy fell to {after:.3f}, below {cfg.chance_multiple:g}x chance ({floor:.3f}), from {before:.3f}"
             elif shift > cfg.max_label_shift:
                 why = f"label distribution moved by {shift:.2f} (total variation; more than {cfg.max_label_shift:g})"
-        checks.append(ClientCheck(name, before, after, n, shift, why))
+        why = why or relabelled(before, fresh, fresh_n, num_classes, cfg)
+        checks.append(ClientCheck(name, before, after, n, shift, why, fresh, fresh_n))
     return sorted(checks, key=lambda c: (not c.flagged, c.now - c.then, c.name))

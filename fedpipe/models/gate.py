@@ -15,7 +15,9 @@
 
 Clients are matched by name (a natural partition's client names, else the ids). Before comparing, the drop
 check (`fedpipe.models.drop_check`) scores the promoted version on each client's new test split against
-what it recorded at registration; a flagged client marks the drop as suspect and nothing is promoted.
+what it recorded at registration, and on the client's new test samples alone (those its own drop did not hold:
+relabelled files under new names show there); a flagged client marks the drop as suspect and nothing is promoted.
+A decision names the checks its settings turned off (`checks_off`).
 
 The metric (`registry.gate_metric`):
 - personalized_accuracy: the mean test accuracy of the shared clients' personalized models;
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 METRICS = ("personalized_accuracy", "global_accuracy", "worst10_accuracy")
 MAX_NAMED_CLIENTS = 20  # clients named in a decision (the record stays small at any client count)
 
-__all__ = ["Decision", "Scores", "compare", "decide", "gate_metric", "worst_fraction_mean"]
+__all__ = ["Decision", "Scores", "checks_off", "compare", "decide", "gate_metric", "worst_fraction_mean"]
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,35 @@ class Decision:
                 "candidate_on_new_clients": self.candidate_on_new_clients,
                 "dropped_clients": dict(list(self.dropped.items())[:MAX_NAMED_CLIENTS]), "dropped_client_count": len(self.dropped),
                 "compared": self.compared, "new_samples": self.new_samples, "drop_check": self.drop_check,
-                "new_client_floors": dict(list(self.floors.items())[:MAX_NAMED_CLIENTS]), "settings": self.settings}
+                "new_client_floors": dict(list(self.floors.items())[:MAX_NAMED_CLIENTS]), "settings": self.settings,
+                "checks_off": checks_off(self.settings)}
 
 
 def settings_of(registry: RegistryConfig) -> dict:
     """The registry settings a decision depends on (the line's name aside)."""
     return registry.model_dump(mode="json", exclude={"name"})
+
+
+# the drop check's rules and the value that turns each off (or opens it all the way)
+_RULES_OFF = (("max_drop", "accuracy-fall rule", lambda v: v >= 1), ("max_label_shift", "label-shift rule", lambda v: v >= 1),
+              ("chance_multiple", "below-chance rule", lambda v: v <= 0), ("relabel_below_chance", "relabelled-new-samples rule", lambda v: v <= 0))
+
+
+def checks_off(settings: dict) -> list[str]:
+    """The gate's checks that a decision's registry settings (`settings_of`) turn off or open all the way, in words
+    naming the setting: what a promotion made under them did not look at."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    check, off = settings.get("drop_check") or {}, []
+    if check.get("enabled") is False:
+        off.append("the drop check (registry.drop_check.enabled=false)")
+    else:
+        off += [f"the drop check's {what} (registry.drop_check.{key}={check[key]:g})"
+                for key, what, is_off in _RULES_OFF if number(check.get(key)) and is_off(check[key])]
+    if number(settings.get("max_client_drop")) and settings["max_client_drop"] >= 1:
+        off.append(f"the per-client loss limit (registry.max_client_drop={settings['max_client_drop']:g})")
+    if number(settings.get("tolerance")) and settings["tolerance"] >= 1:
+        off.append(f"the metric comparison (registry.tolerance={settings['tolerance']:g})")
+    return off
 
 
 def decide(candidate: Run, line: ModelLine, registry: RegistryConfig) -> Decision:
@@ -114,14 +139,16 @@ def decide(candidate: Run, line: ModelLine, registry: RegistryConfig) -> Decisio
     champ_data, where = _champion_data(candidate, champ_cfg, record)
     champ = champion_side(candidate, line, record, champ_cfg, champ_data)
     known = [n for n in cand.names.values() if n in set(record.clients) and n in set(champ.names.values())]
+    own_drop = champ_data is not None
+    new_tests, new_globals = _new_sets(cand, champ, known) if own_drop else ({}, {})
     if registry.reference:
         tests, globals_, compared = _reference_sets(candidate, registry.reference, known)
-        new_tests, new_globals = {}, {}
     else:
-        tests, globals_, new_tests, new_globals, compared = _shared_sets(cand, champ, known, champ_data is not None, where)
+        tests, globals_, compared = _shared_sets(cand, champ, known, own_drop, where)
     mine_shared, theirs = score(cand, cfg, device, tests, globals_), score(champ, cfg, device, tests, globals_)
-    new_samples = _apart(cand, champ, cfg, device, new_tests, new_globals)
-    checks, check_note = _drop_check(cand, champ, line, version, known, registry, cfg, device)
+    new_samples, on_new = _apart(cand, champ, cfg, device, new_tests, new_globals)
+    checks, check_note = _drop_check(cand, champ, line, version, known, registry, cfg, device,
+                                     on_new if own_drop or champ_cfg.data == cfg.data else None)
     floors = _floors(cand, champ, record, [n for n in mine.clients if n not in known], mine, cfg, device)
     new = tuple(n for n in mine.clients if n not in known)
     shared = Scores({n: a for n, a in mine_shared.clients.items() if n in known}, mine_shared.global_accuracy)
@@ -245,26 +272,37 @@ def _take(side: Side, rows: np.ndarray) -> LabeledArrays:
 
 
 def _shared_sets(cand: Side, champ: Side, known: list[str], own_drop: bool, where: str):
-    """(tests, globals, new tests, new globals, what was compared): the shared test samples from the promoted
-    version's drop, and the candidate's test samples that drop did not hold in its test splits."""
+    """(tests, globals, what was compared): the shared test samples from the promoted version's drop (without it:
+    the candidate's test splits)."""
     if not own_drop:
         tests = {n: cand.split(n, "test") for n in known}
         glob, _ = cand.global_test()
         globals_ = {"": glob} if glob is not None else {}
-        new_tests, new_globals = {}, {}
     else:
-        tests, new_tests = {}, {}
+        tests = {}
         for n in known:
-            ct, ht = cand.client(n).test, champ.client(n).test
-            c_ids, h_ids = cand.ids(ct), champ.ids(ht)
-            tests[n], new_tests[n] = _take(champ, ht[np.isin(h_ids, c_ids)]), _take(cand, ct[~np.isin(c_ids, h_ids)])
-        (cg, c_ids), (hg, h_ids) = cand.global_test(), champ.global_test()
-        keep, fresh = np.isin(h_ids, c_ids), ~np.isin(c_ids, h_ids)
+            ht = champ.client(n).test
+            tests[n] = _take(champ, ht[np.isin(champ.ids(ht), cand.ids(cand.client(n).test))])
+        (_, c_ids), (hg, h_ids) = cand.global_test(), champ.global_test()
+        keep = np.isin(h_ids, c_ids)
         globals_ = {"": LabeledArrays(hg.x[keep], hg.y[keep])}
-        new_globals = {"": LabeledArrays(cg.x[fresh], cg.y[fresh])}
     compared = {"on": where, "samples": int(sum(len(t) for t in tests.values())),
                 "global_samples": int(sum(len(g) for g in globals_.values())), "clients": len(known)}
-    return tests, globals_, new_tests, new_globals, compared
+    return tests, globals_, compared
+
+
+def _new_sets(cand: Side, champ: Side, known: list[str]):
+    """(new tests, new globals): the candidate's test samples that the promoted version's drop did not hold in its
+    test splits (new files, or files under new names), per shared client and of the global test set."""
+    new_tests = {}
+    for n in known:
+        ct = cand.client(n).test
+        new_tests[n] = _take(cand, ct[~np.isin(cand.ids(ct), champ.ids(champ.client(n).test))])
+    (cg, c_ids), (_, h_ids) = cand.global_test(), champ.global_test()
+    if c_ids is None or h_ids is None:
+        return new_tests, {}
+    fresh = ~np.isin(c_ids, h_ids)
+    return new_tests, {"": LabeledArrays(cg.x[fresh], cg.y[fresh])}
 
 
 def _reference_sets(candidate: Run, url: str, known: list[str]):
@@ -289,21 +327,25 @@ def _weighted(scores: Scores, sets: dict[str, LabeledArrays]) -> float | None:
     return float(sum(a * len(sets[k]) for k, a in scores.clients.items()) / n) if n else None
 
 
-def _apart(cand: Side, champ: Side, cfg: RunConfig, device, tests: dict, globals_: dict) -> dict:
-    """Both versions on the candidate's new test samples: reported, never decided on."""
+def _apart(cand: Side, champ: Side, cfg: RunConfig, device, tests: dict, globals_: dict) -> tuple[dict, dict[str, tuple[float, int]]]:
+    """Both versions on the candidate's new test samples, reported; and the promoted version's accuracy on each
+    client's new test samples with their count (what the drop check's relabelled-new-samples rule reads)."""
     tests = {k: v for k, v in tests.items() if len(v)}
     globals_ = {k: v for k, v in globals_.items() if len(v)}
     out = {"samples": int(sum(len(t) for t in tests.values())), "global_samples": int(sum(len(g) for g in globals_.values()))}
-    if tests or globals_:
-        mine, theirs = score(cand, cfg, device, tests, globals_), score(champ, cfg, device, tests, globals_)
-        out |= {"candidate": _weighted(mine, tests), "champion": _weighted(theirs, tests),
-                "candidate_global": mine.global_accuracy, "champion_global": theirs.global_accuracy}
-    return out
+    if not tests and not globals_:
+        return out, {}
+    mine, theirs = score(cand, cfg, device, tests, globals_), score(champ, cfg, device, tests, globals_)
+    out |= {"candidate": _weighted(mine, tests), "champion": _weighted(theirs, tests),
+            "candidate_global": mine.global_accuracy, "champion_global": theirs.global_accuracy}
+    return out, {n: (a, len(tests[n])) for n, a in theirs.clients.items()}
 
 
 def _drop_check(cand: Side, champ: Side, line: ModelLine, version: int, known: list[str], registry: RegistryConfig,
-                cfg: RunConfig, device) -> tuple[list[ClientCheck], str]:
-    """The promoted version on each shared client's new test split, against its figures at registration."""
+                cfg: RunConfig, device, on_new: dict[str, tuple[float, int]] | None) -> tuple[list[ClientCheck], str]:
+    """The promoted version on each shared client's new test split, against its figures at registration; `on_new`:
+    on each client's new test samples alone (None: which samples are new is not known, as the promoted version's
+    drop could not be read again)."""
     if not registry.drop_check.enabled:
         return [], "disabled (registry.drop_check.enabled=false)"
     then = read_evaluation(line, version)
@@ -312,7 +354,12 @@ def _drop_check(cand: Side, champ: Side, line: ModelLine, version: int, known: l
     tests = {n: cand.split(n, "test") for n in known if n in then}
     now = score(champ, cfg, device, tests).clients
     labels = {n: cand.client(n).label_counts for n in tests}
-    return check_drop(then, now, {n: len(t) for n, t in tests.items()}, labels, cand.bundle.num_classes, registry.drop_check), ""
+    note = ""
+    if on_new is None and registry.drop_check.relabel_below_chance > 0:
+        note = (f"which test samples are new is not known (version {version}'s drop was not read again): the "
+                "relabelled-new-samples rule (relabel_below_chance) was not applied")
+    return check_drop(then, now, {n: len(t) for n, t in tests.items()}, labels, cand.bundle.num_classes, registry.drop_check,
+                      on_new if registry.drop_check.relabel_below_chance > 0 else None), note
 
 
 def _floors(cand: Side, champ: Side, record: VersionRecord, new: list[str], mine: Scores, cfg: RunConfig, device) -> dict:

@@ -52,6 +52,7 @@ MAX_FILE_BYTES = 16 * 2**30  # one file of a version, as checked before a promot
 RESERVED_FILES = ("version.json", "claim.json")  # written by the line itself, never by `register`'s caller
 ANY = object()  # `PromotionLog.move`'s expected pointer: whatever it is
 ATTEMPTS = 1000  # numbers (or history entries) tried before giving up: only a store under constant contention gets there
+REGATED = "regated: "  # how the history reason of a promotion `fedpipe models regate` made begins
 
 
 def _now() -> str:
@@ -426,10 +427,13 @@ class ModelLine:
                                        f"(changed after it was promoted). {fix}")
         return record
 
-    def promote(self, version: int, reason: str, expected: Any = ANY) -> None:
+    def promote(self, version: int, reason: str, expected: Any = ANY, *, over_refusal: bool = True) -> None:
         """Point `promoted` at `version` (atomically) and append the promotion to the history; with `expected`,
-        only while the pointer still names that version (the gate's champion). Its files are checked first."""
+        only while the pointer still names that version (the gate's champion). Its files are checked first. With
+        `over_refusal=False`, a version the gate refused (`refusal`) is a ConfigError saying so."""
         _, sha = self._record(_number(self.name, version))  # a missing or malformed record is refused here
+        if not over_refusal and (why := refusal(self, version)):
+            raise ConfigError(_refused(self.name, version, why, "promote"))
         self.check_files(version)
         self.log.move("promote", version, sha, reason, expected)
 
@@ -440,20 +444,9 @@ class ModelLine:
         for key in record.files:
             self.read(version, key, MAX_FILE_BYTES)
 
-    def rollback(self) -> int:
-        """Point `promoted` back at the version promoted before the current one; returns it."""
-        if self.log.pointer() is None:
-            raise StoreError(f"Model line {self.name!r} has never been promoted: there is nothing to roll back.")
-        stack = self.log.stack()
-        if len(stack) < 2:
-            raise StoreError(f"Model line {self.name!r} has no version promoted before the current one "
-                             f"({stack[-1][0] if stack else 'none'}) to roll back to: promote one instead "
-                             f"(`fedpipe models promote {self.name} VERSION`).")
-        version, sha = stack[-2]
-        self._verified(version, sha, "the history's earlier promotion")
-        self.check_files(version)
-        self.log.move("rollback", version, sha, f"rolled back from version {stack[-1][0]}", expected=stack[-1][0])
-        return version
+    def rollback(self, *, over_refusal: bool = True) -> int:
+        """Point `promoted` back at the version promoted before the current one; returns it (`roll_back`)."""
+        return roll_back(self, over_refusal=over_refusal)
 
     def history(self) -> list[dict]:
         """Promotions and rollbacks, oldest first: {seq, action, version, reason, time} (and record_sha256)."""
@@ -476,6 +469,45 @@ class ModelLine:
                                        f"not the {registered[:16]}... registered with the version: it was changed after "
                                        "registration. Nothing is read from it; promote or warm-start from another version.")
         return data
+
+
+def roll_back(line: ModelLine, *, over_refusal: bool = True) -> int:
+    """`line.rollback`: point `promoted` back at the version promoted before the current one; returns it. A version
+    the gate refused (promoted by hand) is said so in the history; with `over_refusal=False` it is a ConfigError."""
+    if line.log.pointer() is None:
+        raise StoreError(f"Model line {line.name!r} has never been promoted: there is nothing to roll back.")
+    stack = line.log.stack()
+    if len(stack) < 2:
+        raise StoreError(f"Model line {line.name!r} has no version promoted before the current one "
+                         f"({stack[-1][0] if stack else 'none'}) to roll back to: promote one instead "
+                         f"(`fedpipe models promote {line.name} VERSION`).")
+    version, sha = stack[-2]
+    line._verified(version, sha, "the history's earlier promotion")
+    why = refusal(line, version)
+    if why and not over_refusal:
+        raise ConfigError(_refused(line.name, version, why, "rollback"))
+    line.check_files(version)
+    reason = f"rolled back from version {stack[-1][0]}" + (f", to a version the gate refused ({why})" if why else "")
+    line.log.move("rollback", version, sha, reason[:MAX_REASON_CHARS], expected=stack[-1][0])
+    return version
+
+def refusal(line: ModelLine, version: int) -> str:
+    """The gate's reason when it refused `version` ("" when it did not: promoted at registration, registered before
+    the gate recorded decisions, or promoted since by `fedpipe models regate`, the gate deciding again)."""
+    decision = line.record(version).decision
+    if decision.get("promoted") is not False:
+        return ""
+    if any(e["version"] == version and e["action"] == "promote" and e["reason"].startswith(REGATED) for e in line.history()):
+        return ""
+    return str(decision.get("reason") or "not promoted (no reason recorded)")
+
+
+def _refused(line: str, version: int, why: str, action: str) -> str:
+    """What a hand promotion or rollback to a version the gate refused says."""
+    to = f"Rolling back to version {version}" if action == "rollback" else f"Promoting version {version}"
+    return (f"Model line {line!r}: the gate refused version {version} at registration ({why[:500]}). {to} overrides that "
+            f"decision: pass --force if that is meant (the history records it), or decide again with `fedpipe models regate "
+            f"{line}@{version}`. Nothing was changed.")
 
 
 def _file_hashes(value: Any, where: str) -> dict:
@@ -536,7 +568,6 @@ def remove_abandoned(line: ModelLine, older_than_seconds: float) -> list[int]:
         except (TypeError, ValueError):
             age = float("inf")  # a damaged claim: no registration can be writing under it
         if age >= older_than_seconds and not line.store.exists(line.keys.record(n)):
-            for key in line.store.list(line.keys.version(n)):
-                line.store.delete(key)
+            line.store.delete_folder(line.keys.version(n))  # and what a write killed midway left there (a temp file)
             removed.append(n)
     return removed

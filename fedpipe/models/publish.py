@@ -38,7 +38,7 @@ from fedpipe.models.drop_check import EVALUATION_FILE
 from fedpipe.models.export import MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, export_run
 from fedpipe.models.gate import decide, settings_of
 from fedpipe.models.hub import sync_promoted
-from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
+from fedpipe.models.line import MAX_REASON_CHARS, REGATED, ModelLine, ModelSpec, VersionRecord
 from fedpipe.run.privacy import delta_of
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
@@ -124,10 +124,23 @@ def regate(line: ModelLine, version: int, overrides: list[str]) -> dict:
         raise ConfigError(f"Version {version}'s run {record.run_id!r} is no longer in {line.store.url()} (its evaluated "
                           "run folder is needed to score its models): regate cannot decide; promote by hand if it is wanted.")
     decision = decide(run, line, cfg.registry)
+    said = decision.to_json()
+    context = regate_context(overrides, said["checks_off"], decision.compared.get("on", ""))
     if decision.promote:
-        line.promote(version, f"regated: {decision.reason}"[:2000], expected=decision.champion_version)
+        verdict, _, figures = decision.reason.partition(": ")
+        line.promote(version, f"{REGATED}{verdict} ({context}): {figures}"[:MAX_REASON_CHARS], expected=decision.champion_version)
     return {"version": version, "promoted": decision.promote, "changed": decision.promote, "reason": decision.reason,
-            "decision": decision.to_json()}
+            "context": context, "checks_off": said["checks_off"], "compared_on": decision.compared.get("on", ""), "decision": said}
+
+
+def regate_context(overrides: list[str], off: list[str], compared_on: str) -> str:
+    """What a regate's history entry says beside the decision: the settings it changed, the checks they turned off,
+    and what was compared (the candidate's own test splits when the promoted version's drop could not be read)."""
+    parts = [f"with {', '.join(o.strip() for o in overrides)}" if overrides else "under the version's recorded settings"]
+    parts.append(f"checks off: {'; '.join(off)}" if off else "no check off")
+    if compared_on:
+        parts.append(f"compared on {compared_on}")
+    return "; ".join(parts)
 
 
 def registered(line: ModelLine, run_id: str) -> VersionRecord | None:

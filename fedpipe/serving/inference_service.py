@@ -13,6 +13,11 @@ get the models, chosen by `storage`:
   Kubeflow Hub), which KServe's storage initializer downloads into /mnt/models before the predictor starts
   (`--folder /mnt/models NAME@N`; signatures and file hashes are checked there all the same). A promotion
   then rolls out by writing the resource again (`fedpipe models deploy NAME --apply`).
+
+Writing it reads nothing: following the promoted version needs no version number, and a pinned one is given
+(`NAME@VERSION`) or looked up by the caller. The predictor's readiness probe is its `/v2/health/ready`, which
+follows the model (`kserve_model`). An image named by a tag is pulled `Always` (a tag can be moved to other
+bytes; a node's cached copy would keep running unnoticed), one pinned by digest `IfNotPresent`, as the chart's.
 """
 
 from __future__ import annotations
@@ -28,17 +33,22 @@ API_VERSION, KIND = "serving.kserve.io/v1beta1", "InferenceService"
 PORT = 8080  # KServe's custom predictor port
 STORAGE_MODES = ("store", "s3", "model-registry")
 MOUNT = "/mnt/models"  # where KServe's storage initializer puts a STORAGE_URI's files
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+READINESS = "/v2/health/ready"  # 503 while the model is not ready to answer (kserve_model.LineDataPlane.ready)
 
 
 @dataclass(frozen=True)
 class ServingDeployment:
-    """What `inference_service` writes. `store`: the line's store (s3://bucket/prefix); `version`: its promoted
-    version now; `image`: fedpipe's image (with the serve extra); the rest as `fedpipe models deploy` says."""
+    """What `inference_service` writes. `store`: the line's store (s3://bucket/prefix); `version`: the version to
+    serve (None: follow the promoted one, `storage="store"` only); `image`: fedpipe's image (with the serve extra),
+    `repository:tag` or `repository@sha256:...`; `image_pull_policy`: None for Always with a tag, IfNotPresent with
+    a digest; the rest as `fedpipe models deploy` says."""
 
     line: str
-    version: int
+    version: int | None
     store: str
     image: str
+    image_pull_policy: str | None = None
     namespace: str | None = None
     name: str | None = None
     storage: str = "store"
@@ -69,6 +79,11 @@ class ServingDeployment:
         if not self.store.startswith("s3://"):
             raise FedpipeError(f"A served line's store must be reachable from the cluster: s3://bucket/prefix, not {self.store!r} "
                                "(pass --store, or the run.store of the pipeline's config).")
+        if self.version is None and (self.storage != "store" or not self.follow):
+            raise FedpipeError(f"Serving {self.line!r} pinned (--storage {self.storage}{'' if self.follow else ', --pin'}) needs "
+                               f"the version: deploy {self.line}@VERSION.")
+        if self.image_pull_policy is not None and self.image_pull_policy not in PULL_POLICIES:
+            raise FedpipeError(f"imagePullPolicy is one of {', '.join(PULL_POLICIES)}; got {self.image_pull_policy!r}.")
         if not self.signing_secret and not self.trust_unsigned:
             raise FedpipeError("The predictor serves signed lines only: name the Secret holding the signing key the line's runs "
                                "signed with (--signing-secret; the chart's is <release>-signing), or pass --trust-unsigned if "
@@ -83,10 +98,17 @@ def resource_name(line: str) -> str:
 
 
 def storage_uri(d: ServingDeployment) -> str:
-    """Where the version lives: the store's folder of it, or its Kubeflow Hub address."""
+    """Where the version lives: the store's folder of it (of the line, when the promoted one is followed), or its
+    Kubeflow Hub address."""
     if d.storage == "model-registry":
         return f"model-registry://{d.hub_model or d.line}/{d.version}"  # ModelVersions are named by the version number
-    return d.store.rstrip("/") + "/" + LineKeys(d.line).version(d.version)
+    keys = LineKeys(d.line)
+    return d.store.rstrip("/") + "/" + (keys.folder if d.version is None else keys.version(d.version))
+
+
+def pull_policy(d: ServingDeployment) -> str:
+    """The container's imagePullPolicy: as given, else IfNotPresent for an image pinned by digest, Always for a tag."""
+    return d.image_pull_policy or ("IfNotPresent" if "@sha256:" in d.image else "Always")
 
 
 def _args(d: ServingDeployment) -> list[str]:
@@ -121,11 +143,15 @@ def inference_service(d: ServingDeployment) -> dict:
     name = d.name or resource_name(d.line)
     labels = {"app.kubernetes.io/name": "fedpipe", "app.kubernetes.io/component": "serving", "app.kubernetes.io/part-of": "fedpipe",
               "fedpipe.io/model-line": d.line}
-    annotations = {"fedpipe.io/deployed-version": str(d.version), "fedpipe.io/storage-uri": storage_uri(d),
+    annotations = {"fedpipe.io/storage-uri": storage_uri(d),
                    "fedpipe.io/follows-promoted": "true" if d.follow and d.storage == "store" else "false"}
-    container = {"name": "kserve-container", "image": d.image, "command": ["fedpipe"], "args": _args(d), "env": _env(d),
-                 "ports": [{"containerPort": PORT, "protocol": "TCP"}], "resources": d.resources,
-                 "securityContext": d.container_security, "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}
+    if d.version is not None:
+        annotations["fedpipe.io/deployed-version"] = str(d.version)
+    container = {"name": "kserve-container", "image": d.image, "imagePullPolicy": pull_policy(d), "command": ["fedpipe"],
+                 "args": _args(d), "env": _env(d), "ports": [{"containerPort": PORT, "protocol": "TCP"}],
+                 "readinessProbe": {"httpGet": {"path": READINESS, "port": PORT}, "periodSeconds": 10, "failureThreshold": 3},
+                 "resources": d.resources, "securityContext": d.container_security,
+                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}
     predictor = {"minReplicas": d.min_replicas, "maxReplicas": d.max_replicas, "securityContext": d.pod_security,
                  "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}],
                  "labels": {"app.kubernetes.io/part-of": "fedpipe", "app.kubernetes.io/component": "serving"}}

@@ -8,7 +8,10 @@ TorchScript from a signed line only. Nothing of the user's model package is ever
 a program and tensors, so the fail-closed import policy (FEDPIPE_MODEL_PACKAGES) has nothing to let through.
 
 - Models load lazily, one per served file, into a least-recently-used cache of at most `cache_size` models
-  (a line of 10,000 clients is served in bounded memory; a miss costs one file read and one load).
+  (a line of 10,000 clients is served in bounded memory; a miss costs one file read and one load). A load runs
+  outside the predictor's lock, so a cache miss holds up only the requests for that same file: they wait for
+  the one load under way (a future per file) instead of loading it again, while every other request is
+  answered meanwhile. Memory: `cache_size` models plus at most `MAX_LOADS` being loaded.
 - A client the version has no model for is served the global model (`unknown_client="global"`, for methods
   that have one) or refused with a 404 (`unknown_client="404"`).
 - Following the promoted version (no version pinned), the pointer is read again when a request comes and the
@@ -26,6 +29,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +45,10 @@ log = logging.getLogger(__name__)
 UNKNOWN_CLIENT_POLICIES = ("global", "404")
 DTYPES = {"image": ("FP32", np.float32), "table": ("FP32", np.float32), "text": ("INT64", np.int64)}
 MAX_BATCH = 1024  # rows per request: a bigger batch is split by the caller (each row is one input)
+MAX_LOADS = 4  # models being loaded at once (each holds its file's bytes, up to MAX_SERVED_MODEL_BYTES, meanwhile)
+# torch.export.load is not thread-safe: its deserializer is process-wide state (torch/_export/serde/serialize.py,
+# `_CURRENT_DESERIALIZER`; two loads at once fail with "_CURRENT_DESERIALIZER is already set").
+_DESERIALIZING = threading.Lock()
 
 
 class ServingError(FedpipeError):
@@ -86,6 +94,7 @@ class Prediction:
     client: str | None  # the client whose model answered (None: the global model)
     model: str  # "personalized" or "global"
     version: int
+    asked: str | None = None  # the client the request named (a name with no model of its own: the global model answered)
 
 
 def signed_or_trusted(line: ModelLine, trust_unsigned: bool, what: str = "predict") -> bool:
@@ -105,28 +114,54 @@ def signed_or_trusted(line: ModelLine, trust_unsigned: bool, what: str = "predic
 
 
 class ModelCache:
-    """At most `size` loaded models, by served file; the least recently used goes first."""
+    """At most `size` loaded models, by served file; the least recently used goes first. Thread-safe: a model is
+    loaded outside the cache's lock, once however many requests ask for it meanwhile (they share its future; a
+    failed load fails them all and the next request tries again)."""
 
     def __init__(self, size: int):
         self.size, self.loads = size, 0
         self._models: OrderedDict[str, Any] = OrderedDict()
+        self._loading: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped by clear(): a load begun before it is not cached after it
 
     def __len__(self) -> int:
         return len(self._models)
 
     def get(self, key: str, load) -> Any:
-        if key in self._models:
-            self._models.move_to_end(key)
-            return self._models[key]
-        model = load()
-        self.loads += 1
-        self._models[key] = model
-        while len(self._models) > self.size:
-            self._models.popitem(last=False)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            pending = self._loading.get(key)
+            if pending is None:
+                pending = self._loading[key] = Future()
+                generation, loader = self._generation, True
+            else:
+                loader = False
+        if not loader:
+            return pending.result()  # the load under way for this file: its model, or its error
+        try:
+            model = load()
+        except BaseException as e:
+            with self._lock:
+                self._loading.pop(key, None)
+            pending.set_exception(e)
+            raise
+        with self._lock:
+            self._loading.pop(key, None)
+            self.loads += 1
+            if generation == self._generation:
+                self._models[key] = model
+                while len(self._models) > self.size:
+                    self._models.popitem(last=False)
+        pending.set_result(model)
         return model
 
     def clear(self) -> None:
-        self._models.clear()
+        with self._lock:
+            self._models.clear()
+            self._generation += 1
 
 
 class LinePredictor:
@@ -136,7 +171,9 @@ class LinePredictor:
         self.line, self.pinned, self.options = line, version, options or ServeOptions()
         self.signed = signed_or_trusted(line, self.options.trust_unsigned, "serving")
         self.cache = ModelCache(self.options.cache_size)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # guards (version, spec) and the reload clock; never held across a store read
+        self._refreshing = False
+        self._loads = threading.BoundedSemaphore(MAX_LOADS)
         self.version, self.spec = self._load_version(self._wanted())
         self._checked = time.monotonic()
 
@@ -158,35 +195,41 @@ class LinePredictor:
         return version, spec
 
     def refresh(self, now: float | None = None) -> None:
-        """Follow the promoted pointer (when not pinned and the last check is older than reload_seconds)."""
+        """Follow the promoted pointer (when not pinned and the last check is older than reload_seconds). The store
+        is read outside the lock, by one request at a time; the others are answered by the version served now."""
         if self.pinned is not None:
             return
         now = time.monotonic() if now is None else now
         with self._lock:
-            if now - self._checked < self.options.reload_seconds:
+            if self._refreshing or now - self._checked < self.options.reload_seconds:
                 return
-            self._checked = now
-            try:
-                version = self._wanted()
-                if version != self.version:
-                    loaded = self._load_version(version)
-                    self.cache.clear()
+            self._checked, self._refreshing = now, True
+        try:
+            version = self._wanted()
+            if version != self.version:
+                loaded = self._load_version(version)
+                with self._lock:
                     log.info("Model line %s: promoted version moved from %d to %d", self.line.name, self.version, version)
                     self.version, self.spec = loaded
-            except FedpipeError as e:  # the store unreachable, a pointer or record that does not verify
-                log.error("Model line %s: still serving version %d; the promoted version could not be read: %s",
-                          self.line.name, self.version, e)
+                self.cache.clear()
+        except FedpipeError as e:  # the store unreachable, a pointer or record that does not verify
+            log.error("Model line %s: still serving version %d; the promoted version could not be read: %s",
+                      self.line.name, self.version, e)
+        finally:
+            self._refreshing = False
 
-    def served_file(self, client: str | None) -> tuple[ServedFile, str | None]:
-        """The file that answers for `client` (None: the global model), and the client it is for (None: global)."""
-        spec = self.spec
+    def served_file(self, client: str | None, spec: ServingSpec | None = None,
+                    version: int | None = None) -> tuple[ServedFile, str | None]:
+        """The file that answers for `client` (None: the global model) in `spec` (default: the version served now),
+        and the client it is for (None: global)."""
+        spec, version = (self.spec, self.version) if spec is None else (spec, version)
         if client is not None and client in spec.clients:
             return spec.clients[client], client
         if client is not None and (self.options.unknown_client == "404" or spec.global_model is None):
             known = ", ".join(list(spec.clients)[:10]) + (f", ... ({len(spec.clients)} in all)" if len(spec.clients) > 10 else "")
             fallback = ("this server answers 404 for unknown clients (--unknown-client 404)" if spec.global_model is not None
                         else f"{spec.method} has no global model to fall back on")
-            raise ServingError(f"No client {client!r} has a model in model line {self.line.name!r} version {self.version}, and "
+            raise ServingError(f"No client {client!r} has a model in model line {self.line.name!r} version {version}, and "
                                f"{fallback}. Name one of its clients: {known or 'none'}.", status=404)
         if spec.global_model is None:
             raise ServingError(f"{spec.method} has no global model: name a client (the 'client' parameter or the "
@@ -195,8 +238,10 @@ class LinePredictor:
 
     def _load(self, served: ServedFile, version: int):
         where = self.line.store.url(self.line.keys.version(version) + served.file)
-        data = self.line.read(version, served.file, MAX_SERVED_MODEL_BYTES)  # bounded, its registered sha256 checked
-        return load_exported(data, served.format, where, signed=self.signed)
+        with self._loads:  # at most MAX_LOADS files in memory besides the cache's models
+            data = self.line.read(version, served.file, MAX_SERVED_MODEL_BYTES)  # bounded, its registered sha256 checked
+            with _DESERIALIZING:  # the store reads run side by side; torch's deserializers one at a time
+                return load_exported(data, served.format, where, signed=self.signed)
 
     def rows(self, data: Any, shape: list[Any], datatype: str | None) -> torch.Tensor:
         """A raw input batch [N, *spec input shape] from a request's tensor: its shape, type and values checked."""
@@ -229,18 +274,19 @@ class LinePredictor:
         return torch.from_numpy(np.ascontiguousarray(array.reshape(shape)))
 
     def predict(self, client: str | None, x: torch.Tensor) -> Prediction:
-        """`x` (raw rows, see `rows`) through `client`'s model (None: the global model)."""
+        """`x` (raw rows, see `rows`) through `client`'s model (None: the global model). Only the choice of the
+        version is made under the lock: the model's load (a cache miss) and its forward pass are not."""
         self.refresh()
         with self._lock:
             version, spec = self.version, self.spec
-            served, whose = self.served_file(client)
-            net = self.cache.get(f"{version}/{served.file}", lambda: self._load(served, version))
-            with torch.no_grad():
-                probs = torch.softmax(net(x).double(), dim=1)  # as `fedpipe predict`: float64 softmax of the scores
+        served, whose = self.served_file(client, spec, version)
+        net = self.cache.get(f"{version}/{served.file}", lambda: self._load(served, version))
+        with torch.no_grad():
+            probs = torch.softmax(net(x).double(), dim=1)  # as `fedpipe predict`: float64 softmax of the scores
         index = probs.argmax(dim=1)
         labels = [spec.labels[i] if i < len(spec.labels) else str(i) for i in index.tolist()]
         return Prediction(probs.numpy(), index.numpy().astype(np.int64), labels, whose, "global" if whose is None else "personalized",
-                          version)
+                          version, client)
 
     def client_of(self, parameter: Any, header: Any) -> str | None:
         """The client a request names, by its 'client' parameter or its Fedpipe-Client header (both: they must agree)."""

@@ -93,6 +93,13 @@ class Store(ABC):
             futures = [pool.submit(self.put, k, items[k]) for k in keys]
         return {k: f.result() for k, f in zip(keys, futures)}
 
+    def delete_folder(self, prefix: str) -> None:
+        """Remove every object under the folder `prefix` (ending in '/') and whatever writes that died there left
+        behind that `list` does not show (a folder store's temp files); no error when there is nothing. Only for a
+        folder no one writes into any more (a registration that died long ago)."""
+        for key in self.list(prefix):
+            self.delete(key)
+
     def put_text(self, key: str, text: str) -> str:
         return self.put(key, text.encode("utf-8"))
 

@@ -306,6 +306,28 @@ def _keys_under(root: Path, start: Path, prefix: str) -> list[str]:
     return sorted(keys)
 
 
+def _remove_leftovers(folder: Path) -> None:
+    """Under `folder`, whose objects were deleted: the temp files of writes killed before their rename (data and
+    sidecar temps, the folders' lock files), sidecars whose object is gone, then every folder left empty."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    try:
+        for dirpath, dirnames, filenames in os.walk(folder, topdown=False):
+            here = Path(dirpath)
+            for name in filenames:
+                path = here / name
+                orphan = here.name == SIDECAR_DIR and not (here.parent / name).is_file()
+                if name.startswith(TEMP_PREFIX) or orphan:
+                    path.unlink(missing_ok=True)
+            for name in dirnames:
+                with contextlib.suppress(OSError):  # not empty: something that is not ours stays, and its folder
+                    (here / name).rmdir()
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    except OSError as exc:
+        raise StoreError(f"Could not remove what was left in {folder}: {exc.strerror or exc}.") from exc
+
+
 class LocalStore(Store):
     """Objects as plain files under `root`, each with its sha256 in a hidden ``.sha256/`` sidecar."""
 
@@ -433,6 +455,15 @@ class LocalStore(Store):
         if not start.is_dir():
             return []
         return _keys_under(self.root, start, prefix)
+
+    def delete_folder(self, prefix: str) -> None:
+        """`Store.delete_folder`, and then the temp files and sidecars that writes killed midway left in the folder
+        (`list` hides them), and the folders left empty."""
+        super().delete_folder(prefix)
+        head = validate_prefix(prefix).rstrip("/")
+        if head:
+            _confine(self.root, self.root.joinpath(*head.split("/")), head)
+            _remove_leftovers(self.root.joinpath(*head.split("/")))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -274,6 +274,9 @@ class SignedStore(Store):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
+    def delete_folder(self, prefix: str) -> None:
+        self.inner.delete_folder(prefix)
+
     def url(self, key: str = "") -> str:
         return self.inner.url(key)
 

@@ -16,9 +16,11 @@ there is no recorded sha256 to check. What makes them safe to read instead:
 (`s3://bucket/drops/latest` -> `s3://bucket/drops/2026-11-25`), so a recurring run picks up the newest drop.
 Only drops that can be trusted to be whole and to be drops are candidates (`DropPolicy`): a real folder or
 prefix inside the root (a symbolic link is never followed out of it), whose name matches the drop pattern
-(ISO dates by default: a `zz-...` or `~provider` name cannot pin `latest` forever), and that is complete: it
-holds a `_SUCCESS` marker, or its own manifest was written after every other file (a half-uploaded drop
-is skipped, with a warning naming it).
+(ISO dates by default: a `zz-...` or `~provider` name cannot pin `latest` forever), whose date, when its name
+starts with one (YYYY-MM-DD), is a real calendar day no later than tomorrow (UTC): `9999-99-99` or a drop
+dated next year would sort after every real drop and stay `latest` for good; and that is complete: it holds
+a `_SUCCESS` marker, or its own manifest was written after every other file. Each drop passed over (a
+half-uploaded one, an impossible or future date, a symbolic link named as a drop) is named in a warning.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import secrets
 import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
 
@@ -100,6 +102,24 @@ class DataSource(ABC):
         """The listing of one object by key, without listing the source (None when there is none)."""
 
 
+_LINKS_SAID: set[str] = set()  # linked folders already named in a warning (a run lists its source several times)
+
+
+def _first_time(link: str) -> bool:
+    if link in _LINKS_SAID:
+        return False
+    _LINKS_SAID.add(link)
+    return True
+
+
+def _target(link: Path) -> str:
+    """Where a symbolic link points, for a message."""
+    try:
+        return os.readlink(link)
+    except OSError:
+        return "?"
+
+
 def _hidden(key: str) -> bool:
     return any(part.startswith(".") for part in key.split("/"))
 
@@ -144,6 +164,28 @@ def _write_key(key: str) -> str:
 
 
 _SAID: set[tuple[str, str]] = set()  # (drops root, drop) already named in the log
+_DATED = re.compile(r"(\d{4})-(\d{2})-(\d{2})")  # a drop name's leading ISO date
+FUTURE_SLACK = timedelta(days=1)  # a drop stamped in a time zone ahead of UTC is dated "tomorrow" for up to a day
+
+
+def _today() -> date:
+    return datetime.now(UTC).date()
+
+
+def date_problem(name: str, today: date | None = None) -> str:
+    """Why a drop named `name` cannot be the newest by its date ("" when it can): a leading YYYY-MM-DD that is
+    no calendar day (9999-99-99), or that lies after tomorrow (UTC). Names without a leading date pass."""
+    m = _DATED.match(name)
+    if m is None:
+        return ""
+    try:
+        day = date(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    except ValueError:
+        return "not a calendar date"
+    today = today or _today()
+    if day > today + FUTURE_SLACK:
+        return f"dated in the future (today is {today.isoformat()}, UTC)"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -164,11 +206,19 @@ class DropPolicy:
 def _newest(children: list[str], parent: str, policy: DropPolicy, complete) -> str:
     """The newest drop name under `parent` that matches the policy's pattern and is `complete(name)`, logged; a
     DataError when there is none, naming what was passed over and why."""
-    drops = sorted((c for c in children if policy.matches(c)), reverse=True)
-    other = sorted(set(children) - set(drops))
+    named = sorted((c for c in children if policy.matches(c)), reverse=True)
+    other = sorted(set(children) - set(named))
     if other:
         log.info("%s/%s: %d sub-folder(s) whose names are not drops were passed over (%s).", parent, LATEST, len(other),
                  ", ".join(other[:5]) + (" ..." if len(other) > 5 else ""))
+    today = _today()
+    misdated = {c: why for c in named if (why := date_problem(c, today))}
+    drops = [c for c in named if c not in misdated]
+    if misdated:
+        log.warning("%s/%s: %d drop(s) skipped for their date (%s): a drop named after a day that cannot be, or has not "
+                    "come, would sort after every real drop and stay `latest` for good. Rename it to the day it was made.",
+                    parent, LATEST, len(misdated), "; ".join(f"{c}: {why}" for c, why in list(misdated.items())[:5])
+                    + (" ..." if len(misdated) > 5 else ""))
     incomplete = []
     for name in drops:
         if policy.complete == "none" or complete(name):
@@ -182,6 +232,8 @@ def _newest(children: list[str], parent: str, policy: DropPolicy, complete) -> s
         incomplete.append(name)
     why = (f"none of its {len(drops)} drop(s) is complete ({', '.join(incomplete[:5])}: write {SUCCESS_MARKER} into a drop "
            f"once its upload has finished, or its {DROP_MANIFEST} last)" if drops else
+           f"its only drop(s) are misdated ({'; '.join(f'{c}: {w}' for c, w in list(misdated.items())[:5])}): rename them to "
+           "the day they were made" if misdated else
            f"it has no sub-folder named as a drop (the pattern {policy.pattern!r}, ISO dates by default: 2026-11-25, "
            f"2026-12-01, ...){'; found ' + ', '.join(other[:5]) if other else ''}")
     raise DataError(f"{parent}/{LATEST} asks for the newest complete drop under {parent}, but {why}. Or set data.source to "
@@ -217,9 +269,12 @@ class FolderSource(DataSource):
 
     def children(self) -> list[str]:
         """The names of the root's immediate, non-hidden sub-folders (`latest` itself excluded); a symbolic
-        link is never one, wherever it points (a drop is a real folder inside the root)."""
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != LATEST)
+        link is never one, wherever it points (a drop is a real folder inside the root): each is named in a warning."""
+        found = [p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != LATEST]
+        for link in sorted(p for p in found if p.is_symlink() and _first_time(str(p))):
+            log.warning("%s is a symbolic link (to %s), not a folder: a drop must be a real folder inside %s, so it is "
+                        "never `latest`. Copy or move the drop there.", link, _target(link), self.root)
+        return sorted(p.name for p in found if not p.is_symlink())
 
     def _path(self, key: str) -> Path:
         """The file of `key`, refused when it would lie outside the root (a '..', an absolute path, a link)."""
@@ -244,6 +299,11 @@ class FolderSource(DataSource):
         found: list[SourceObject] = []
         for dirpath, dirnames, filenames in os.walk(self.root, onerror=unreadable):  # linked folders are not walked
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in dirnames:
+                if os.path.islink(os.path.join(dirpath, name)) and _first_time(os.path.join(dirpath, name)):
+                    link = Path(dirpath) / name
+                    log.warning("%s is a symbolic link to a folder (%s): linked folders are never read, so its files are not "
+                                "part of the data. Copy the folder into %s instead.", link, _target(link), self.root)
             for name in sorted(filenames):
                 if name.startswith("."):
                     continue

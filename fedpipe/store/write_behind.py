@@ -158,6 +158,10 @@ class WriteBehind(Store):
         self.flush()
         self.inner.delete(key)
 
+    def delete_folder(self, prefix: str) -> None:
+        self.flush()
+        self.inner.delete_folder(prefix)
+
     def create(self, key: str, data: bytes) -> bool:
         self.flush()
         return self.inner.create(key, data)

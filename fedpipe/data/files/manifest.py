@@ -15,6 +15,7 @@ Two layouts:
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -103,9 +104,10 @@ class DataManifest(Section):
 
     @model_validator(mode="after")
     def _distinct_labels(self) -> DataManifest:
-        if len(set(self.labels)) != len(self.labels):
-            dup = sorted({x for x in self.labels if self.labels.count(x) > 1})
-            raise ValueError(f"labels must be distinct; repeated: {', '.join(dup[:5])}")
+        if len(set(self.labels)) != len(self.labels):  # counted in one pass: list.count per label was quadratic
+            dup = sorted(x for x, n in Counter(self.labels).items() if n > 1)
+            raise ValueError(f"labels must be distinct; repeated: {', '.join(dup[:5])}"
+                             + (f" ... ({len(dup)} in all)" if len(dup) > 5 else ""))
         return self
 
 
