@@ -16,6 +16,7 @@ def methods():
     whether differential privacy (privacy.enabled) covers it or refuses the method, and why; and whether
     engine.amp=auto trains it in bf16 on a GPU (a method whose results bf16 would change opts out)."""
     from fedpipe.algorithms import ALGORITHMS, phases_of
+    from fedpipe.federation.support import federated_status
 
     for name, cls in ALGORITHMS.items():
         phases = ", ".join(p.name for p in phases_of(cls.Params(), 10))
@@ -36,6 +37,7 @@ def methods():
             typer.echo("    privacy: covered (the upload is clipped and noised; what stays on the client needs no noise)"
                        + (f"; {cls.privacy_caveat}" if cls.privacy_caveat else ""))
         typer.echo(f"    bf16 (engine.amp=auto on a GPU): {f'off, {cls.bf16_refusal}' if cls.bf16_refusal else 'on'}")
+        typer.echo(f"    federated (Flower deployment engine, docs/federation.md): {federated_status(name)}")
 
 
 @app.command()

@@ -91,21 +91,44 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float) -> Roster:
 class SiteRound:
     """A `RoundTrainer` (fedpipe.engine.rounds) whose clients train at their sites."""
 
-    def __init__(self, grid: Grid, roster: Roster, spec: FederationSpec, phase: Phase, timeout: float, log_path: Path):
+    def __init__(self, grid: Grid, roster: Roster, spec: FederationSpec, phase: Phase, timeout: float, log_path: Path,
+                 rejoin_wait: float = 0.0):
         self.grid, self.roster, self.phase, self.timeout, self.log_path = grid, roster, phase, timeout, log_path
+        self.rejoin_wait = rejoin_wait
         self.spec_json = spec.to_json()
         self.rejected: list[dict] = []
+        self.reports: dict[int, dict[int, dict]] = {}  # round -> client -> what its site reported (metrics)
+
+    def online(self, nodes: set[int]) -> set[int]:
+        """Which of `nodes` the SuperLink has online, waiting up to `rejoin_wait` seconds for the others (a site
+        restarting after a crash; Flower keeps a SIGKILLed SuperNode's node online until it misses its heartbeats,
+        up to 2 x 30 s, and only then lets the restarted one activate under the same key and node id)."""
+        deadline = time.monotonic() + self.rejoin_wait
+        while True:
+            up = nodes & set(self.grid.get_node_ids())
+            if up == nodes or time.monotonic() >= deadline:
+                return up
+            time.sleep(1.0)
 
     def __call__(self, round_: int, lr: float, works: list[ClientWork]) -> tuple[list[ClientOutcome], None]:
         config = ConfigRecord({"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr)})
         messages, by_node = [], {}
         for w in works:
-            node = self.roster.by_id[w.client_id].node_id
-            by_node[node] = w
-            messages.append(Message(RecordDict({"download": to_record(w.download), "config": config}), dst_node_id=node,
-                                    message_type=MessageType.TRAIN, group_id=f"{self.phase.name}-{round_}"))
-        replies = {r.metadata.src_node_id: r for r in self.grid.send_and_receive(messages, timeout=self.timeout)}
-        return [self._outcome(w, node, replies.get(node), round_) for node, w in by_node.items()], None
+            by_node[self.roster.by_id[w.client_id].node_id] = w
+        up = self.online(set(by_node))
+        for node, w in by_node.items():
+            if node in up:
+                messages.append(Message(RecordDict({"download": to_record(w.download), "config": config}), dst_node_id=node,
+                                        message_type=MessageType.TRAIN, group_id=f"{self.phase.name}-{round_}"))
+        replies = exchange(self.grid, messages, self.timeout)
+        outcomes = []
+        for node, w in by_node.items():
+            if node not in up:
+                outcomes.append(self._reject(w.client_id, round_, 0, f"SiteOffline: site {w.client_id} (node {node}) was not "
+                                             f"connected at the round's start (waited {self.rejoin_wait:.0f}s for it to rejoin)"))
+            else:
+                outcomes.append(self._outcome(w, node, replies.get(node), round_))
+        return outcomes, None
 
     def _outcome(self, work: ClientWork, node: int, reply: Message | None, round_: int) -> ClientOutcome:
         cid, site = work.client_id, f"site {work.client_id} (node {node})"
@@ -116,6 +139,7 @@ class SiteRound:
         content = reply.content
         metrics = content["metrics"]
         samples = int(metrics["num-samples"])
+        self.reports.setdefault(round_, {})[cid] = {k: metrics[k] for k in ("state-in", "state-out") if k in metrics}
         if "error" in content:
             return self._reject(cid, round_, samples, f"ClientFailed: {site}: {content['error']['message']}")
         upload, sent = None, 0
@@ -134,6 +158,26 @@ class SiteRound:
         return ClientOutcome(cid, samples, error=error)
 
 
+def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, Message]:
+    """{destination node: its reply} for the replies in within `timeout` (Grid.push_messages / pull_messages, as
+    Grid.send_and_receive does). Replies are matched by the message they answer, not by their source: an error
+    reply the SuperLink makes itself for an offline node (NODE_UNAVAILABLE) comes from the SuperLink's node id."""
+    if not messages:
+        return {}
+    ids = list(grid.push_messages(messages))
+    pending = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages) if mid}
+    replies: dict[int, Message] = {}
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for r in grid.pull_messages(list(pending)):
+            node = pending.pop(r.metadata.reply_to_message_id, None)
+            if node is not None:
+                replies[node] = r
+        if pending:
+            time.sleep(0.5)
+    return replies
+
+
 class RoundLog:
     """A RoundCallback writing one JSON line per round and the global model after each round (the server's
     checkpoint for this step; the run store's `Checkpoints` is the next step, see docs/federation.md)."""
@@ -147,7 +191,8 @@ class RoundLog:
         line = {"phase": result.phase.name, "round": result.round, "clients": result.clients, "failed": result.failed_clients,
                 "loss": result.loss_sum / max(result.samples, 1), "bytes_up": result.bytes_uploaded,
                 "bytes_down": result.bytes_downloaded, "seconds": result.seconds,
-                "rejected": [r for r in self.trainer.rejected if r["round"] == result.round]}
+                "rejected": [r for r in self.trainer.rejected if r["round"] == result.round],
+                "reported": {str(c): m for c, m in sorted(self.trainer.reports.get(result.round, {}).items())}}
         with open(self.out / "rounds.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         save_global(self.out / "global.safetensors", state.server.global_params)
@@ -161,8 +206,33 @@ def save_global(path: Path, params: dict[str, torch.Tensor]) -> None:
     tmp.replace(path)
 
 
-def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float) -> PhaseState:
-    """Every phase of the spec's method, against the sites connected to `grid`."""
+def evaluate_at_sites(grid: Grid, roster: Roster, spec: FederationSpec, global_params: dict[str, torch.Tensor],
+                      timeout: float) -> dict[int, dict]:
+    """Each site scores its own candidates on its own splits (`client_app.evaluate`); only the scores come back."""
+    config = ConfigRecord({"spec": spec.to_json()})
+    download = to_record(global_params)
+    asks = [Message(RecordDict({"download": download, "config": config}), dst_node_id=e.node_id,
+                    message_type=MessageType.EVALUATE) for e in roster.clients]
+    by_node = {e.node_id: e.client_id for e in roster.clients}
+    scores = {}
+    for node, reply in exchange(grid, asks, timeout).items():
+        cid = by_node[node]
+        if reply.has_error():
+            log.warning("Site %s did not evaluate: %s", cid, reply.error.reason)
+            continue
+        scores[cid] = {k: float(v) for k, v in reply.content["metrics"].items()}
+    return scores
+
+
+def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_timeout: float | None = None,
+          rejoin_wait: float = 0.0) -> PhaseState:
+    """Every phase of the spec's method, against the sites connected to `grid`, then each site's own evaluation.
+
+    The fault rule: a round waits for each chosen site's reply until `round_timeout` seconds (a site killed or hung
+    mid-round counts as failed, `SiteTimeout`; Flower answers sooner, `SiteError`, once the SuperLink sees the node
+    offline); a site not connected at a round's start is waited for up to `rejoin_wait` seconds, then left out
+    (`SiteOffline`); the round is kept when at least min(train.min_clients, chosen) sites reported back, else the
+    phase fails (`fedpipe.engine.rounds.run_round`)."""
     torch.set_num_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
     algorithm, initial = spec.build(DEVICE)
@@ -170,11 +240,13 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float) -> PhaseS
     log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
     state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
     for phase in spec.phases():
-        trainer = SiteRound(grid, roster, spec, phase, timeout, out)
+        trainer = SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait)
         state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)])
     save_global(out / "global.safetensors", state.server.global_params)
+    scores = evaluate_at_sites(grid, roster, spec, state.server.global_params, timeout)
+    (out / "evaluation.json").write_text(json.dumps({str(c): s for c, s in sorted(scores.items())}))
     (out / "result.json").write_text(json.dumps({"phase": state.phase, "round": state.round, "sites": roster.num_clients,
-                                                 "server_client_states": len(state.clients)}))
+                                                 "server_client_states": len(state.clients) + len(state.server.per_client)}))
     return state
 
 
@@ -183,7 +255,8 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     out = Path(str(rc["out-dir"]))
     try:
-        serve(grid, FederationSpec.read(str(rc["spec-file"])), out, float(rc.get("timeout", 300)))
+        serve(grid, FederationSpec.read(str(rc["spec-file"])), out, float(rc.get("timeout", 300)),
+              float(rc.get("round-timeout", 0)) or None, float(rc.get("rejoin-wait", 0)))
     except BaseException as e:  # the try-out waits on result.json or error.json
         out.mkdir(parents=True, exist_ok=True)
         (out / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))

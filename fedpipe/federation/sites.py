@@ -13,6 +13,7 @@ A site that makes its splits itself from its own `fedpipe-data.yaml` is the next
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -59,9 +60,18 @@ class Site:
     def _state_path(self, phase: str) -> Path:
         return self.folder / STATE_DIR / f"{phase}.safetensors"
 
-    def load_state(self, phase: str, device: torch.device) -> dict[str, torch.Tensor] | None:
-        path = self._state_path(phase)
-        return safetensors.torch.load_file(str(path), device=str(device)) if path.exists() else None
+    def load_state(self, phase: str, device: torch.device, earlier: tuple[str, ...] = ()) -> dict[str, torch.Tensor] | None:
+        """This phase's state, else the latest earlier phase's (`earlier`, in phase order): a client's state goes on
+        from phase to phase, as `PhaseState.clients` does in the simulation."""
+        for name in (phase, *reversed(earlier)):
+            path = self._state_path(name)
+            if path.exists():
+                return safetensors.torch.load_file(str(path), device=str(device))
+        return None
+
+    def state_files(self) -> list[Path]:
+        folder = self.folder / STATE_DIR
+        return sorted(folder.glob("*.safetensors")) if folder.exists() else []
 
     def save_state(self, phase: str, state: dict[str, torch.Tensor] | None) -> None:
         if state is None:
@@ -70,4 +80,16 @@ class Site:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
-        tmp.replace(path)
+        tmp.replace(path)  # atomic: a site killed mid-write keeps its previous state
+
+
+def state_digest(state: dict[str, torch.Tensor] | None) -> int:
+    """A 48-bit digest of a personal state (0 for none), reported with each round so that a test can tell which
+    state a site trained from (e.g. the one it had before it was killed) without the state leaving the site."""
+    if not state:
+        return 0
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
+    return int(h.hexdigest()[:12], 16)

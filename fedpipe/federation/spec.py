@@ -18,11 +18,12 @@ from fedpipe.algorithms import Algorithm, MethodConfig, build_algorithm, phases_
 from fedpipe.algorithms.base import MethodParams, Phase
 from fedpipe.config import EngineConfig, TrainConfig
 from fedpipe.errors import ConfigError
+from fedpipe.federation.support import FEDERATED, NOT_YET
 from fedpipe.nn.networks import build_model
 from fedpipe.seeding import derive_seed
 
-#: Methods that run federated today, and why the others do not yet (one line each).
-SUPPORTED = ("fedavg",)
+#: Methods that run federated today (`fedpipe.federation.support` says why the others do not yet).
+SUPPORTED = tuple(FEDERATED)
 
 
 def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0) -> str | None:
@@ -32,8 +33,8 @@ def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0) -> str
     if finetune_epochs:
         return "method.finetune_epochs > 0 is not federated yet: the finetune phase's personal models would need a site-side evaluation step"
     if method not in SUPPORTED:
-        return (f"method {method!r} is not federated yet: only {', '.join(SUPPORTED)} (one download, one upload, no personal "
-                "state the server reads) is wired to the SuperLink so far")
+        return (f"method {method!r} is not federated yet: {NOT_YET.get(method, 'not wired to the SuperLink')} "
+                f"(federated today: {', '.join(SUPPORTED)})")
     return None
 
 

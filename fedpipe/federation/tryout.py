@@ -57,6 +57,8 @@ clientapp = "fedpipe.federation.client_app:app"
 spec-file = "{spec}"
 out-dir = "{out}"
 timeout = {timeout}
+round-timeout = {round_timeout}
+rejoin-wait = {rejoin_wait}
 """
 
 
@@ -75,25 +77,28 @@ class LoopbackFederation:
         self.bin = self.env / "bin"
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
+        self.site_args: dict[str, tuple[list[str], dict[str, str]]] = {}  # to restart a site as it was
         self.port = free_port()
         self.home = self.work / "flwr-home"
         self.certs = self.work / "certs"
 
     # --- environment -----------------------------------------------------------------------------
-    def _environ(self) -> dict[str, str]:
+    def _environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
+        env.pop("FEDPIPE_TEST_FAULT_INJECTOR", None)  # only a site started with it (start_site(env=...)) injects faults
         env["PATH"] = f"{self.bin}:{env.get('PATH', '')}"
         env["FLWR_HOME"] = str(self.home)
         env["PYTHONPATH"] = str(ROOT)
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
         env["FLWR_TELEMETRY_ENABLED"] = "0"
+        env.update(extra or {})
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = self.work / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         self.logs[name] = log
-        p = subprocess.Popen(["nice", "-n", "10", *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=self._environ(),
+        p = subprocess.Popen(["nice", "-n", "10", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=self._environ(env),
                              start_new_session=True, cwd=self.work)
         self.procs[name] = p
         return p
@@ -137,8 +142,10 @@ class LoopbackFederation:
         if r.returncode != 0:
             raise RuntimeError(f"flwr supernode register {public_key.name} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
 
-    def start_site(self, folder: str | Path, name: str | None = None, register: bool = True, max_retries: int | None = None) -> str:
-        """A SuperNode for the site folder `folder`, with a fresh key pair (registered unless `register=False`)."""
+    def start_site(self, folder: str | Path, name: str | None = None, register: bool = True, max_retries: int | None = None,
+                   env: dict[str, str] | None = None) -> str:
+        """A SuperNode for the site folder `folder`, with a fresh key pair (registered unless `register=False`);
+        `env` adds environment variables to the site's processes (the tests' fault injector)."""
         folder = Path(folder)
         name = name or folder.name
         private, public = make_site_key(self.certs / "sites", name)
@@ -149,18 +156,35 @@ class LoopbackFederation:
                 f'site-dir="{folder.resolve()}"', "--port", str(free_port())]
         if max_retries is not None:
             args += ["--max-retries", str(max_retries)]
-        self._spawn(name, args)
+        self.site_args[name] = (args, dict(env or {}))
+        self._spawn(name, args, env)
         return name
 
+    def kill_site(self, name: str) -> None:
+        kill_site(self, name)
+
+    def restart_site(self, name: str, env: dict[str, str] | None = None, timeout: float = 150) -> float:
+        return restart_site(self, name, env, timeout)
+
     # --- a run ---------------------------------------------------------------------------------------
-    def run(self, spec_file: Path, out: Path, timeout: float = 300) -> dict:
-        """Submit fedpipe's app for `spec_file`, wait for the ServerApp's result.json (or error.json)."""
+    def submit(self, spec_file: Path, out: Path, timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0) -> None:
+        """Submit fedpipe's app for `spec_file` (`round_timeout` 0: `timeout`; `rejoin_wait`: how long a round
+        waits for a site that is not connected, see server_app.serve) and return at once."""
         app = self.work / "fedpipeapp"
         app.mkdir(parents=True, exist_ok=True)
-        (app / "pyproject.toml").write_text(APP_PYPROJECT.format(spec=Path(spec_file).resolve(), out=Path(out).resolve(), timeout=timeout))
+        (app / "pyproject.toml").write_text(APP_PYPROJECT.format(spec=Path(spec_file).resolve(), out=Path(out).resolve(), timeout=timeout,
+                                                                 round_timeout=float(round_timeout), rejoin_wait=float(rejoin_wait)))
         r = self._cli("run", str(app), CONNECTION, "--format", "json")
         if r.returncode != 0:
             raise RuntimeError(f"flwr run failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+    def run(self, spec_file: Path, out: Path, timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0) -> dict:
+        """Submit fedpipe's app for `spec_file`, wait for the ServerApp's result.json (or error.json)."""
+        self.submit(spec_file, out, timeout, round_timeout, rejoin_wait)
+        return self.wait(out, timeout)
+
+    def wait(self, out: Path, timeout: float = 300) -> dict:
+        """The ServerApp's result.json, once written (RuntimeError with its error.json if it failed)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if (out / "result.json").exists():
@@ -192,6 +216,38 @@ class LoopbackFederation:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def kill_site(fed: LoopbackFederation, name: str) -> None:
+    """SIGKILL a site's SuperNode and its ClientApp (a crash: no goodbye to the SuperLink)."""
+    p = fed.procs.pop(name)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=10)
+
+def restart_site(fed: LoopbackFederation, name: str, env: dict[str, str] | None = None, timeout: float = 150) -> float:
+    """Start a killed site again with its key and folder (as a supervisor such as Kubernetes would), retrying
+    until the SuperLink lets it activate: after a crash its node counts as online until it misses its
+    heartbeats (Flower 1.42: 2 x 30 s), and activation is refused until then. Returns the seconds it took."""
+    args, old_env = fed.site_args[name]
+    env = old_env if env is None else env
+    t0 = deadline = time.monotonic()
+    deadline += timeout
+    while time.monotonic() < deadline:
+        mark = fed.logs[name].stat().st_size if name in fed.logs and fed.logs[name].exists() else 0
+        p = fed._spawn(name, args, env)
+        while p.poll() is None and "SuperNode ID:" not in fed.log_of(name)[mark:]:
+            time.sleep(0.5)  # activated (it logs its node id) or refused (it exits, Flower's exit code 305)
+        if p.poll() is None:
+            return time.monotonic() - t0
+        fed.procs.pop(name, None)
+        tail = fed.log_of(name)[mark:]
+        if "Failed to activate" not in tail:
+            raise RuntimeError(f"site {name} exited ({p.returncode}) on restart:\n{tail[-3000:]}")
+        time.sleep(3)
+    raise TimeoutError(f"site {name} could not rejoin within {timeout:.0f}s:\n{fed.log_of(name)[-3000:]}")
 
 
 def prepare(cfg, work: Path) -> tuple[Path, list[Path]]:
