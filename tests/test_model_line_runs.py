@@ -283,12 +283,12 @@ def test_the_charts_recurring_run_retrains_into_a_model_line_by_default(tmp_path
     """With schedule.cron the chart's run config reads the newest drop, warm-starts from the promoted version and
     registers every run in a model line behind the gate; each is a value, a runConfig field wins; without a cron
     nothing of it."""
-    from deploy.deploytools import CHART, GET_HELM, find_tool
+    from deploy.deploytools import CHART, CLUSTER, GET_HELM, find_tool
 
     helm = find_tool("helm", GET_HELM)
 
     def config(*values: str):
-        done = subprocess.run([helm, "template", "fedpipe", str(CHART), *values], capture_output=True, text=True, check=True)
+        done = subprocess.run([helm, "template", "fedpipe", str(CHART), *CLUSTER, *values], capture_output=True, text=True, check=True)
         (config_map,) = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-run-config")]
         path = tmp_path / "config.yaml"
         path.write_text(config_map["data"]["config.yaml"])

@@ -2,7 +2,8 @@
 
 - ``helm``, ``kubectl``: the static binaries `scripts/get-helm.sh` puts in ``.cache/bin`` (or ones
   on the PATH). A missing tool FAILS the test, naming the script that installs it.
-- ``render_chart(*helm_args)``: ``helm template`` of charts/fedpipe, as parsed documents.
+- ``render_chart(*helm_args)``: ``helm template`` of charts/fedpipe, as parsed documents, on a cluster whose API
+  server's address is given (``deploytools.CLUSTER``: the egress NetworkPolicy, on by default, needs it).
 - ``build_kustomization(path)``: ``kubectl kustomize``, as parsed documents.
 - ``kustomize_overlay``: a user's overlay of manifests/ with both components and another namespace.
 - ``validate_k8s(docs)``: ``kubernetes-validate --strict`` against Kubernetes 1.30. It has no
@@ -19,6 +20,7 @@ import pytest
 import yaml
 from deploytools import (
     CHART,
+    CLUSTER,
     CRD_VALIDATORS,
     GET_HELM,
     K8S_VERSION,
@@ -45,7 +47,7 @@ def kubectl() -> str:
 @pytest.fixture(scope="session")
 def render_chart(helm: str) -> Callable[..., list[dict]]:
     def render(*args: str) -> list[dict]:
-        return parse_docs(run_tool([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args]).stdout)
+        return parse_docs(run_tool([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *CLUSTER, *args]).stdout)
 
     return render
 

@@ -23,6 +23,10 @@ NAMESPACE = "fedpipe-test"
 GET_HELM = "run scripts/get-helm.sh (it puts Helm and kubectl in .cache/bin) and try again"
 SETUP_TEST = "run scripts/setup.sh --test (the project's test extra installs it) and try again"
 
+# What every install of the chart must say about its cluster: the Kubernetes API server's address, which the egress
+# NetworkPolicy (networkPolicy.enabled, on by default) lets the task pods reach; without it the chart refuses to render.
+CLUSTER = ["--set", "networkPolicy.apiServer.cidrs={172.18.0.2/32}"]
+
 # Values that switch on every optional piece of the chart.
 ALL_ON = [
     "--set", "storage.createSecret=true",

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploytools import CHART, import_tool, parse_docs
+from deploytools import CHART, CLUSTER, import_tool, parse_docs
 
 API = ["--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
 
 
 def _rule(helm: str, *values: str) -> dict | None:
-    done = subprocess.run([helm, "template", "fedpipe", str(CHART), *values], capture_output=True, text=True, check=True)
+    done = subprocess.run([helm, "template", "fedpipe", str(CHART), *CLUSTER, *values], capture_output=True, text=True, check=True)
     docs = [d for d in parse_docs(done.stdout) if d.get("kind") == "PrometheusRule"]
     return docs[0] if docs else None
 

@@ -20,7 +20,7 @@ from threading import Thread
 
 import kfp
 import pytest
-from deploytools import CHART, NAMESPACE, RELEASE, only, parse_docs, run_tool
+from deploytools import CHART, CLUSTER, NAMESPACE, RELEASE, only, parse_docs, run_tool
 from istio_model import PROFILE_NAMESPACE_LABELS, Pod
 from kfp_api_standin import KfpApiStandIn
 from typer.testing import CliRunner
@@ -214,7 +214,7 @@ def test_install_upgrade_and_uninstall_leave_no_recurring_run(render_chart, tmp_
 
 
 def show_only(helm: str, template: str, *values: str) -> list[dict]:
-    argv = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--show-only", template, *values]
+    argv = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *CLUSTER, "--show-only", template, *values]
     return parse_docs(run_tool(argv).stdout)
 
 

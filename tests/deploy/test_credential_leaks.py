@@ -7,7 +7,7 @@ import re
 
 import pytest
 import yaml
-from deploytools import CHART, MANIFESTS, NAMESPACE, RELEASE, only, pod_specs, run_tool, sample_pytorchjob
+from deploytools import CHART, CLUSTER, MANIFESTS, NAMESPACE, RELEASE, only, pod_specs, run_tool, sample_pytorchjob
 
 # Unmistakable dummies, passed only with --set.
 ACCESS_KEY = "LEAKCHECK-ACCESS-7f3a9c"
@@ -45,7 +45,7 @@ def _all_containers(doc: dict) -> list[dict]:
 
 def test_created_secret_is_the_only_place_credentials_appear(helm: str):
     argv = [
-        helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+        helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *CLUSTER,
         "--set", "storage.createSecret=true",
         "--set", f"storage.accessKey={ACCESS_KEY}",
         "--set", f"storage.secretKey={SECRET_KEY}",

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import yaml
-from deploytools import ALL_ON, CHART, DASHBOARD_JSON, NAMESPACE, RELEASE, only, run_tool, schema_rejection
+from deploytools import ALL_ON, CHART, CLUSTER, DASHBOARD_JSON, NAMESPACE, RELEASE, only, run_tool, schema_rejection
 
 from fedpipe.pipelines.builder import LAUNCHER_COMPONENT, POD_LABEL, RESOURCE_PARAMETERS
 from fedpipe.run.config import load_config
@@ -72,6 +72,8 @@ def test_default_render_has_exactly_the_default_pieces(render_chart):
             "ConfigMap/fedpipe-run-config",
             "Deployment/fedpipe-pushgateway",
             "Job/fedpipe-register",
+            # the task pods' egress policy (networkPolicy.enabled is on by default; CLUSTER gives its API server address)
+            "NetworkPolicy/fedpipe-training-egress",
             # `helm test` pods (hooks: applied only by `helm test`)
             "Pod/fedpipe-test-kfp-api",
             "Pod/fedpipe-test-pushgateway",
@@ -128,7 +130,7 @@ def test_schema_rejects_bad_values(helm: str, tmp_path, values: dict, message: s
     ],
 )
 def test_inconsistent_values_fail_with_a_message(helm: str, args: list[str], message: str):
-    proc = run_tool([helm, "template", RELEASE, str(CHART), *args], check=False)
+    proc = run_tool([helm, "template", RELEASE, str(CHART), *CLUSTER, *args], check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
@@ -374,7 +376,7 @@ def test_service_monitor_is_on_where_the_operator_is_with_kube_prometheus_stack_
     assert only(render_chart("--set", "serviceMonitor.enabled=true"), "ServiceMonitor")
     # The alternative for Prometheus without the Operator stays.
     assert only(render_chart(*OPERATOR), "ConfigMap", "-prometheus-scrape-config")
-    proc = run_tool([helm, "template", RELEASE, str(CHART), "--set", "serviceMonitor.enabled=true", "--set", "pushgateway.enabled=false",
+    proc = run_tool([helm, "template", RELEASE, str(CHART), *CLUSTER, "--set", "serviceMonitor.enabled=true", "--set", "pushgateway.enabled=false",
                      "--set", "prometheusScrapeConfig.enabled=false"], check=False)  # fmt: skip
     assert proc.returncode != 0 and "serviceMonitor.enabled needs pushgateway.enabled" in proc.stderr, proc.stderr
 
@@ -429,7 +431,7 @@ def test_task_pods_and_the_launcher_reach_the_api_server_and_a_pytorchjob_s_pods
     job_pod = {"app.kubernetes.io/part-of": "fedpipe", "app.kubernetes.io/component": "distributed-phase"}
     job_policies = [d for d in docs if d["kind"] == "NetworkPolicy" and selects(d, job_pod)]
     assert job_policies and not [r for d in job_policies for r in d["spec"]["egress"] if any("ipBlock" in peer for peer in r.get("to", []))]
-    assert "NetworkPolicy" not in {d["kind"] for d in render_chart("--set", "pytorchJob.enabled=true")}
+    assert "NetworkPolicy" not in {d["kind"] for d in render_chart("--set", "pytorchJob.enabled=true", "--set", "networkPolicy.enabled=false")}
 
 
 def test_network_policy_needs_the_api_server_s_addresses_for_every_task_pod(helm: str, render_chart, validate_k8s):
@@ -449,7 +451,7 @@ def test_network_policy_needs_the_api_server_s_addresses_for_every_task_pod(helm
     reached = {(peer["ipBlock"]["cidr"], port["port"]) for policy in task_policies for rule in policy["spec"]["egress"]
                for peer in rule.get("to", []) if "ipBlock" in peer for port in rule["ports"]}  # fmt: skip
     assert reached == {(cidr, port) for cidr in ("172.18.0.2/32", "172.18.0.3/32") for port in (443, 6443)}
-    assert "NetworkPolicy" not in {d["kind"] for d in render_chart()}, "off by default: no addresses needed"
+    assert "NetworkPolicy" not in {d["kind"] for d in render_chart("--set", "networkPolicy.enabled=false")}, "off: no addresses needed"
 
 
 def test_network_policy_reaches_an_external_pushgateway(render_chart):
@@ -470,7 +472,7 @@ def test_dashboard_config_map_embeds_the_one_dashboard_json(render_chart):
 
 
 def notes(helm: str, *args: str) -> str:
-    out = run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *args]).stdout
+    out = run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, *CLUSTER, *args]).stdout
     return out[out.index("NOTES:") :]
 
 

@@ -17,7 +17,7 @@ import re
 import deploytools
 import pytest
 import yaml
-from deploytools import CHART, NAMESPACE, RELEASE, REPO, _closed, import_tool, only, run_tool
+from deploytools import CHART, CLUSTER, NAMESPACE, RELEASE, REPO, _closed, import_tool, only, run_tool
 
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.pipelines.builder import DeployOptions, compile_pipeline, shipped_pipelines
@@ -653,7 +653,7 @@ def test_values_land_where_the_driver_reads_them(render_chart, tmp_path):
     ],
 )
 def test_what_a_precompiled_pipeline_cannot_do_fails_with_a_message(helm: str, args: list[str], message: str):
-    proc = run_tool([helm, "template", RELEASE, str(CHART), *args], check=False)
+    proc = run_tool([helm, "template", RELEASE, str(CHART), *CLUSTER, *args], check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import yaml
-from deploytools import ALL_ON, CHART, NAMESPACE, RELEASE, only, run_tool, schema_rejection
+from deploytools import ALL_ON, CHART, CLUSTER, NAMESPACE, RELEASE, only, run_tool, schema_rejection
 
 # An unmistakable dummy key, passed only with --set.
 KEY = "SIGNKEY-LEAKCHECK-" + "5e" * 20
@@ -43,7 +43,7 @@ def test_signing_is_on_by_default_with_a_key_generated_at_install(render_chart, 
     assert 'lookup "v1" "Secret" $namespace $name' in template and "randAlphaNum 64" in template
     off = render_chart("--set", "signing.enabled=false")
     assert not [d for d in off if d["kind"] == "Secret"] and signing_flags(off) == []
-    assert "with --trust-unsigned" in run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set",
+    assert "with --trust-unsigned" in run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", *CLUSTER, "--set",
                                                 "signing.enabled=false"]).stdout
 
 
@@ -120,7 +120,7 @@ def test_schema_rejects_bad_signing_values(helm: str, tmp_path, values: dict, me
     ids=["no-secret", "key-and-existing-secret", "native-mode", "native-mode-by-default"],
 )
 def test_inconsistent_signing_values_fail_with_a_message(helm: str, args: list[str], message: str):
-    proc = run_tool([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args], check=False)
+    proc = run_tool([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *CLUSTER, *args], check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert KEY not in proc.stderr
 

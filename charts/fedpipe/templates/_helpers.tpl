@@ -362,3 +362,16 @@ pytorchjob
 {{- "true" }}
 {{- end }}
 {{- end }}
+
+{{/* "true" when the ValidatingAdmissionPolicy that narrows the launcher's Role is rendered: with pytorchJob.enabled,
+     pytorchJob.admissionPolicy.enabled true, or auto where the cluster serves admissionregistration.k8s.io/v1
+     ValidatingAdmissionPolicy (GA in Kubernetes 1.30); "" otherwise. */}}
+{{- define "fedpipe.admissionPolicyEnabled" -}}
+{{- $enabled := toString .Values.pytorchJob.admissionPolicy.enabled }}
+{{- if not .Values.pytorchJob.enabled }}
+{{- else if eq $enabled "true" }}
+{{- "true" }}
+{{- else if and (eq $enabled "auto") (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") }}
+{{- "true" }}
+{{- end }}
+{{- end }}
