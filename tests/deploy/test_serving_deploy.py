@@ -75,7 +75,7 @@ def test_the_charts_inference_service_is_valid_and_the_same_as_deploys(render_ch
     same = inference_service(ServingDeployment(line, 1, "s3://mlpipeline/fedpipe", isvc["spec"]["predictor"]["containers"][0]["image"],
                                                signing_secret="fedpipe-signing"))
     chart_c, cli_c = isvc["spec"]["predictor"]["containers"][0], same["spec"]["predictor"]["containers"][0]
-    for key in ("name", "command", "args", "env", "ports", "volumeMounts", "securityContext", "resources"):
+    for key in ("name", "command", "args", "env", "ports", "readinessProbe", "volumeMounts", "securityContext", "resources"):
         assert chart_c[key] == cli_c[key], key
     assert isvc["metadata"]["name"] == same["metadata"]["name"] and isvc["metadata"]["namespace"] == "team-a"
     assert isvc["spec"]["predictor"]["securityContext"] == same["spec"]["predictor"]["securityContext"]
