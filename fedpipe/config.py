@@ -362,7 +362,7 @@ class EngineConfig(Section):
 class PrivacyConfig(Section):
     """User-level differential privacy of what clients upload; off by default.
 
-    Plan it with `fedpipe privacy plan` (README, "Differential privacy"). When on, every communicating round: each client's update (its
+    Plan it with `fedpipe privacy plan` (docs/privacy.md). When on, every communicating round: each client's update (its
     upload minus what it downloaded; never its personal state) is clipped to L2 norm `clip`, Gaussian noise of
     std `noise_multiplier * clip` is added, and the server adds the clipped updates with equal weights over
     the expected cohort (DP-FedAvg, McMahan et al. 2018, Algorithm 1). Clients then join a round by Poisson

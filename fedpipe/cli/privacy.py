@@ -13,7 +13,7 @@ privacy_app = typer.Typer(
          "delta, before it starts. With privacy.enabled each client's update is clipped to privacy.clip and Gaussian noise "
          "of std noise_multiplier * clip is added (central: once to the sum, by the server; local: by every client); "
          "clients join each round by Poisson sampling at rate train.client_fraction, which the accountant assumes. "
-         "README, \"Differential privacy\", says what each method uploads and which methods are refused.",
+         "docs/privacy.md says what each method uploads, which methods are refused, and what epsilon covers.",
     no_args_is_help=True,
 )
 app.add_typer(privacy_app, name="privacy")

@@ -40,14 +40,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from fedpipe.config import MAX_URL_CHARS, Section, refuse_url_credentials
 from fedpipe.data import DatasetBundle, LabeledArrays, is_text_shape
-from fedpipe.data.files.rows import DEFAULT_DECODED_MB
 from fedpipe.data.idx import find_idx, read_image_split
 from fedpipe.data.safe_pickle import load_cifar_pickle
 from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
@@ -121,17 +120,23 @@ class DataConfig(Section):
     drop_pattern: str = Field(ISO_DATE_DROPS, min_length=1, max_length=200)
     """With a data.source ending in /latest: what a drop's folder name looks like (a regular expression
     matched against the whole name; ISO dates by default: 2026-11-25, 2026-11-25T03-00Z). Other sub-folders
-    are never picked, so a stray `zz-...` folder cannot pin `latest`."""
+    are never picked, so a stray `zz-...` folder cannot pin `latest`; nor can a name whose leading date is no
+    calendar day (9999-99-99) or lies after tomorrow (UTC), nor a symbolic link: each is skipped with a warning."""
 
     drop_complete: Literal["auto", "success_file", "manifest_last", "none"] = "auto"
     """With /latest: how a drop shows its upload is finished: success_file (a `_SUCCESS` file in it),
     manifest_last (its own fedpipe-data.yaml written after its data), auto (either), none (any drop; only
     where drops are moved into place in one atomic step). An incomplete newer drop is skipped, with a warning."""
 
-    max_decoded_mb: int = Field(DEFAULT_DECODED_MB, ge=1, le=2**24)
-    """With dataset=files: the most memory, in MB, the whole drop may take once decoded (images as pixels,
-    table values after dictionary expansion). A drop past it is refused naming the file that crossed it:
-    bounds per file alone let a few small, highly compressible files claim gigabytes."""
+    max_decoded_mb: Literal["auto"] | Annotated[int, Field(ge=1, le=2**24)] = "auto"
+    """With dataset=files: the most memory, in MB, reading the whole drop may take (images as pixels, and each
+    image while it is decoded; table values after dictionary expansion; a text column's words while its vocabulary
+    is built). Every decode is counted before it allocates, and a drop past the budget is refused naming the file
+    that crossed it, what it would take and the budget: bounds per file alone let a few small, highly compressible
+    files claim gigabytes. auto: a quarter of the memory this process may use (the smallest of the container's
+    memory limit, the process's `ulimit -v` and the machine's available memory), at least 256 and at most 16,384
+    MB, chosen where the data is read (`fedpipe.data.files.budget`; the refusal says what it came to); a number
+    sets it (up to 2^24 MB)."""
 
     image_size: int | None = Field(None, ge=4, le=1024)
     """With dataset=files: the side every image is resized to (bilinear), in pixels. None: the images'

@@ -34,7 +34,11 @@ def build_vocabulary(texts: list[list[str]], vocab_size: int) -> dict[str, int]:
     """word -> token id for the vocab_size - 2 most frequent words of `texts` (ties: alphabetical), ids
     from 2 up; PAD_ID (0) and UNK_ID (1) are reserved. Built from the training split only, so nothing
     of the test data shapes the inputs."""
-    counts = Counter(word for words in texts for word in words)
+    return rank_words(Counter(word for words in texts for word in words), vocab_size)
+
+
+def rank_words(counts: Counter[str], vocab_size: int) -> dict[str, int]:
+    """`build_vocabulary` from the words' counts (a reader that counts as it goes keeps no list of every word)."""
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - 2]
     return {word: i + 2 for i, (word, _) in enumerate(ranked)}
 

@@ -32,6 +32,7 @@ from fedpipe.engine.clients import ClientOutcome, ClientWork
 from fedpipe.engine.rounds import RoundResult, run_phase
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
+from fedpipe.federation import resume
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, record_bytes, to_record
 
@@ -179,8 +180,8 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, M
 
 
 class RoundLog:
-    """A RoundCallback writing one JSON line per round and the global model after each round (the server's
-    checkpoint for this step; the run store's `Checkpoints` is the next step, see docs/federation.md)."""
+    """A RoundCallback writing, after each round, the server's checkpoint (its phase state, `fedpipe.federation.resume`),
+    one JSON line (rounds.jsonl) and the global model."""
 
     def __init__(self, out: Path, algorithm: Algorithm, trainer: SiteRound):
         self.out, self.algorithm, self.trainer = out, algorithm, trainer
@@ -188,6 +189,7 @@ class RoundLog:
     def on_phase_start(self, phase, state) -> None: ...
 
     def on_round_end(self, state: PhaseState, result: RoundResult) -> None:
+        resume.save(self.out, state, self.trainer.spec_json)  # first: a line in rounds.jsonl means a checkpointed round
         line = {"phase": result.phase.name, "round": result.round, "clients": result.clients, "failed": result.failed_clients,
                 "loss": result.loss_sum / max(result.samples, 1), "bytes_up": result.bytes_uploaded,
                 "bytes_down": result.bytes_downloaded, "seconds": result.seconds,
@@ -238,7 +240,9 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     algorithm, initial = spec.build(DEVICE)
     roster = wait_for_sites(grid, spec.num_sites, timeout)
     log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
-    state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
+    state = resume.load(out, spec.to_json(), spec.method["name"]) or PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
+    if state.round:
+        log.info("fedpipe federation: resuming after round %d (phase %s) from %s", state.round, state.phase, out / resume.CHECKPOINT)
     for phase in spec.phases():
         trainer = SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait)
         state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)])
@@ -254,6 +258,8 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
 def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     out = Path(str(rc["out-dir"]))
+    for stale in ("result.json", "error.json"):  # a restarted run's try-out waits on these: none from a killed one
+        (out / stale).unlink(missing_ok=True)
     try:
         serve(grid, FederationSpec.read(str(rc["spec-file"])), out, float(rc.get("timeout", 300)),
               float(rc.get("round-timeout", 0)) or None, float(rc.get("rejoin-wait", 0)))

@@ -227,6 +227,46 @@ def kill_site(fed: LoopbackFederation, name: str) -> None:
         pass
     p.wait(timeout=10)
 
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live descendant of `pid`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, cmdlines.get(child, "")))
+            todo.append(child)
+    return found
+
+
+def kill_serverapp(fed: LoopbackFederation) -> list[int]:
+    """SIGKILL the running ServerApp process(es) (a crash of the phase task's side; the SuperLink and the sites stay up).
+
+    Flower 1.42 runs each run's ServerApp as a `flwr-serverapp` process that the SuperLink's SuperExec
+    (`flower-superexec`, started by `flower-superlink` in its own session, flwr/superlink/cli/flower_superlink.py)
+    launches (flwr/supercore/superexec/executor/subprocess_executor.py): a descendant of the SuperLink this started.
+    Returns the pids killed."""
+    killed = []
+    for pid, cmd in descendants(fed.procs["superlink"].pid):
+        if "flwr-serverapp" in cmd:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def restart_site(fed: LoopbackFederation, name: str, env: dict[str, str] | None = None, timeout: float = 150) -> float:
     """Start a killed site again with its key and folder (as a supervisor such as Kubernetes would), retrying
     until the SuperLink lets it activate: after a crash its node counts as online until it misses its

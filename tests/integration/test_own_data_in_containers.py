@@ -1,6 +1,6 @@
 """A user's own model and own data, in containers: what a platform team does to run its own network on a cluster.
 
-The README ("Models") says: to train your own network (`model.name: package.module:function`) on Kubeflow,
+docs/data/models.md (the README's former "Models") says: to train your own network (`model.name: package.module:function`) on Kubeflow,
 build an image FROM fedpipe's that installs your package, set FEDPIPE_MODEL_PACKAGES there, and compile the
 pipeline for that image. Here a small package `mynets` (an MLP over the flattened 8x8 digits, `body` and
 `head`) is written into a temporary folder and pip-installed into an image derived from the one `make images`
@@ -74,7 +74,7 @@ version = "0.1.0"
 packages = ["mynets"]
 """
 
-# What the README's Dockerfile does, made to build offline: the base image has setuptools (84, checked with
+# What the Dockerfile of docs/data/models.md does, made to build offline: the base image has setuptools (84, checked with
 # `podman run --rm IMAGE python -c "import setuptools"`), so `--no-build-isolation` builds the package with it
 # and `--no-index --no-deps` asks no index for anything. The image runs as user 1000, who cannot write the
 # image's site-packages: the install runs as root, and the image's user is put back for the tasks.

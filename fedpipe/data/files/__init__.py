@@ -17,14 +17,16 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from pydantic import ValidationError
 
 from fedpipe.config import format_validation_error
 from fedpipe.data import DatasetBundle, LabeledArrays
+from fedpipe.data.files.budget import DecodeBudget
 from fedpipe.data.files.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, TABLE_EXTENSIONS, DataManifest
-from fedpipe.data.files.rows import DEFAULT_DECODED_MB, ClientRows, DecodeBudget, Problems
+from fedpipe.data.files.rows import ClientRows, Problems
 from fedpipe.errors import ConfigError, DataError
 from fedpipe.safe_load import parse_yaml
 from fedpipe.store.source import DataSource, DropPolicy, SourceObject, open_source
@@ -121,9 +123,9 @@ def current_snapshot(url: str, policy: DropPolicy | None = None) -> dict:
     return snapshot_of(source, source.list())
 
 
-def check_files(url: str, image_size: int | None = None, max_decoded_mb: int = DEFAULT_DECODED_MB) -> DataCheck:
+def check_files(url: str, image_size: int | None = None, max_decoded_mb: int | Literal["auto"] = "auto") -> DataCheck:
     """Read the source as a run would and return every problem found instead of raising on the first; the
-    drop may take at most `max_decoded_mb` decoded (`rows.DecodeBudget`)."""
+    drop may take at most `max_decoded_mb` decoded (`budget.DecodeBudget`; auto: a share of this process's memory)."""
     source, table_file = open_data(url)
     objects = source.list()
     problems = Problems()
@@ -144,7 +146,7 @@ def check_files(url: str, image_size: int | None = None, max_decoded_mb: int = D
 
 
 def load_files(url: str, image_size: int | None = None, expected_snapshot: str | None = None,
-               max_decoded_mb: int = DEFAULT_DECODED_MB) -> DatasetBundle:
+               max_decoded_mb: int | Literal["auto"] = "auto") -> DatasetBundle:
     """The bundle of a user's federated data; a DataError listing every error found (nothing is written
     before a run has its data). `expected_snapshot`: the digest the run recorded; data that changed since
     is an error, not a silent mix."""
@@ -172,7 +174,8 @@ def load_files(url: str, image_size: int | None = None, expected_snapshot: str |
 
 
 def _check_rows(rows: ClientRows, problems: Problems) -> None:
-    """Checks across files: the same sample under two clients (a leak between clients' splits)."""
+    """Checks across files: the same sample under two clients (a leak between clients' splits). The rows are
+    hashed and compared in place, a few MiB at a time, however wide a row is (an 8000x8000 image is one row)."""
     if len(rows.y) == 0:
         problems.error("no samples", "the source", "no sample could be read; check the layout in the manifest")
         return
@@ -184,7 +187,7 @@ def _check_rows(rows: ClientRows, problems: Problems) -> None:
     for k in same:
         i, j = int(order[k]), int(order[k + 1])
         first = first_of.setdefault(i, i)
-        if np.array_equal(flat[first], flat[j]):
+        if _rows_equal(flat, first, j):
             first_of[j] = first
             if rows.clients[first] != rows.clients[j]:
                 problems.warning("duplicated across clients", rows.where(j),
@@ -192,12 +195,28 @@ def _check_rows(rows: ClientRows, problems: Problems) -> None:
                                  "a sample held by two clients can sit in one's train and the other's test split")
 
 
-def _row_hashes(flat: np.ndarray, chunk_bytes: int = 4 * 2**20) -> np.ndarray:
-    """A 64-bit hash of each row's bytes (a random linear form, wrapping), in chunks of about 4 MiB of
-    uint64 products: a million rows cost 8 MB of hashes, not a copy of the data."""
-    weights = np.random.default_rng(0x5EED).integers(1, 2**63, size=flat.shape[1], dtype=np.uint64) | np.uint64(1)
-    chunk = max(1, chunk_bytes // (8 * max(1, flat.shape[1])))
-    out = np.empty(flat.shape[0], dtype=np.uint64)
-    for start in range(0, flat.shape[0], chunk):
-        out[start : start + chunk] = (flat[start : start + chunk].astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+CHUNK_BYTES = 4 * 2**20  # the working memory of hashing and comparing rows: uint64 products of this many bytes
+
+
+def _row_hashes(flat: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> np.ndarray:
+    """A 64-bit hash of each row's bytes (a random linear form, wrapping), over blocks of rows and columns of
+    about `chunk_bytes` of uint64 products: a million rows cost 8 MB of hashes, and a row of 192 MB (one large
+    image) 4 MiB at a time, never a uint64 copy of it (8x its size) or a weight per byte of it."""
+    n, width = flat.shape
+    cols = max(1, min(width, chunk_bytes // 8))
+    rows_at = max(1, chunk_bytes // (8 * cols))
+    out = np.zeros(n, dtype=np.uint64)
+    for c0 in range(0, width, cols):
+        c1 = min(width, c0 + cols)  # each block of columns its own weights, drawn from its position
+        weights = np.random.default_rng((0x5EED, c0)).integers(1, 2**63, size=c1 - c0, dtype=np.uint64) | np.uint64(1)
+        for r0 in range(0, n, rows_at):
+            block = flat[r0 : r0 + rows_at, c0:c1].astype(np.uint64)
+            block *= weights
+            out[r0 : r0 + rows_at] += block.sum(axis=1, dtype=np.uint64)  # uint64 wraps, as a hash should
     return out
+
+
+def _rows_equal(flat: np.ndarray, i: int, j: int, chunk_bytes: int = CHUNK_BYTES) -> bool:
+    """Whether rows i and j hold the same bytes, compared a block at a time (no row-wide temporary)."""
+    a, b = flat[i], flat[j]
+    return all(np.array_equal(a[k : k + chunk_bytes], b[k : k + chunk_bytes]) for k in range(0, len(a), chunk_bytes))

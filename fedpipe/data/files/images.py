@@ -15,21 +15,23 @@ import warnings
 from pathlib import PurePosixPath
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from fedpipe.data.files.budget import DecodeBudget
 from fedpipe.data.files.manifest import IMAGE_EXTENSIONS, MANIFEST_NAME, DataManifest
-from fedpipe.data.files.rows import ClientRows, DecodeBudget, Problems
+from fedpipe.data.files.rows import ClientRows, Problems
 from fedpipe.data.identity import identity_of
 from fedpipe.errors import DataError
 from fedpipe.store.source import SUCCESS_MARKER, DataSource, SourceObject
 
-__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "ImageStack", "decode_image", "read_image_folders"]
+__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "ImageStack", "decode_image", "decoding_bytes", "read_image_folders"]
 
 MAX_IMAGE_BYTES = 64 * 2**20  # one image file: a 64 MiB PNG or JPEG is far above a training image
 MAX_IMAGE_PIXELS = 64_000_000  # 64 megapixels: decoded, 192 MB as RGB; larger is a bomb, not a sample
 PROGRESS_FROM = 1000  # files: show a progress bar when reading more
 _FORMATS = ("PNG", "JPEG")
 _MODES = {1: "L", 3: "RGB"}
+ORIENTATION = ExifTags.Base.Orientation
 
 
 def _open(data: bytes, where: str, problems: Problems) -> Image.Image | None:
@@ -59,32 +61,80 @@ def _open(data: bytes, where: str, problems: Problems) -> Image.Image | None:
     return img
 
 
+def _pixel_bytes(mode: str) -> int:
+    """Bytes per pixel of Pillow's storage for `mode`: one for 1, L and P, two for 16-bit modes, else four
+    (Pillow keeps RGB, RGBA, LA, CMYK, YCbCr, I and F in 32 bits a pixel)."""
+    if mode in ("1", "L", "P"):
+        return 1
+    return 2 if mode.startswith("I;16") else 4
+
+
+STRIP_BYTES = 8 * 2**20  # a large image's pixels are copied out of Pillow this much at a time
+
+
+def decoding_bytes(size: tuple[int, int], mode: str, channels: int, image_size: int | None) -> int:
+    """The most memory `decode_image` holds at once for an image of `size` and `mode`, from its header: the decoded
+    image and its conversion to `channels`, or the converted image and its resized copy, or the final image and its
+    pixels as an array (copied out a strip at a time). An orientation tag is checked again once decoded: turning
+    the image holds it twice."""
+    w, h = size
+    source = w * h * _pixel_bytes(mode)
+    target = _pixel_bytes(_MODES[channels])
+    convert = mode != _MODES[channels]
+    converted = w * h * target if convert else source
+    resize = image_size is not None and (w, h) != (image_size, image_size)
+    side = (image_size, image_size) if resize else (w, h)
+    final = side[0] * side[1] * target if resize else converted
+    array = side[0] * side[1] * channels
+    return max(source + (converted if convert else 0), converted + (final if resize else 0),
+               final + array + 3 * min(array, STRIP_BYTES))
+
+
+def _pixels(img: Image.Image, channels: int) -> np.ndarray:
+    """The image's pixels as a uint8 array (C, H, W). Pillow hands its pixels to numpy as one `bytes` object built
+    from pieces (twice the image at once), so a large image is copied out a strip of rows at a time."""
+    w, h = img.size
+    if w * h * channels <= STRIP_BYTES:
+        array = np.asarray(img, dtype=np.uint8)
+        return np.ascontiguousarray(array[None] if array.ndim == 2 else array.transpose(2, 0, 1))
+    out = np.empty((channels, h, w), dtype=np.uint8)
+    rows = max(1, STRIP_BYTES // (w * channels))
+    for top in range(0, h, rows):
+        strip = np.asarray(img.crop((0, top, w, min(h, top + rows))), dtype=np.uint8)
+        out[:, top : top + len(strip)] = strip.reshape(len(strip), w, channels).transpose(2, 0, 1)
+    return out
+
+
 def decode_image(data: bytes, where: str, channels: int, image_size: int | None, problems: Problems,
                  budget: DecodeBudget | None = None) -> np.ndarray | None:
     """The uint8 array (C, H, W) of a PNG or JPEG file's bytes, converted to `channels` (1: grayscale, 3: RGB)
     and resized (bilinear) to image_size x image_size when given; None, with an error in `problems` naming
     `where`, when it cannot be decoded. Without image_size the image keeps its own size: `ImageStack` checks
-    that every image shares one."""
+    that every image shares one. With a `budget`, what decoding needs at once (`decoding_bytes`, from the
+    header) must fit what the drop has left before anything is decoded; the caller charges what it keeps."""
     img = _open(data, where, problems)
     if img is None:
         return None
-    if budget is not None:  # decoding it at its own size must fit what the drop has left (checked, not kept)
-        full = img.size[0] * img.size[1] * max(channels, len(img.getbands()))
-        if full > budget.limit - budget.used and not budget.charge(full, where, "this image, decoded at its own size,", problems):
-            return None
+    shown_as = f"this {img.size[0]}x{img.size[1]} {img.mode} image"
+    if budget is not None and not budget.fits(decoding_bytes(img.size, img.mode, channels, image_size), where,
+                                              f"decoding {shown_as}", problems):
+        return None
     try:
         img.load()  # a truncated or corrupt file raises here
-        img = ImageOps.exif_transpose(img)  # a photo's orientation tag, applied as a viewer would
-        img = img.convert(_MODES[channels])
+        if img.getexif().get(ORIENTATION, 1) in range(2, 9):  # a photo's orientation tag, applied as a viewer would
+            turned = img.size[0] * img.size[1] * _pixel_bytes(img.mode)
+            if budget is not None and not budget.fits(2 * turned, where, f"turning {shown_as} upright", problems):
+                return None
+            ImageOps.exif_transpose(img, in_place=True)
+        if img.mode != _MODES[channels]:
+            img = img.convert(_MODES[channels])
         if image_size is not None and img.size != (image_size, image_size):
             img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
-        array = np.asarray(img, dtype=np.uint8)
+        return _pixels(img, channels)
     except Exception as exc:  # noqa: BLE001 - any failure of a decoder on someone else's file is "unreadable"
         problems.error("unreadable image", where, f"is an unreadable or truncated image ({type(exc).__name__}: "
                        f"{str(exc)[:200]}); re-export it, or remove it")
         return None
-    array = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
-    return np.ascontiguousarray(array)
 
 
 class ImageStack:
@@ -97,6 +147,7 @@ class ImageStack:
         self.budget = budget if budget is not None else DecodeBudget()
         self.count = 0
         self._x: np.ndarray | None = None
+        self._shared = False  # whether `array` handed out a view of `_x`
         self._first = ""  # where the image that fixed the size came from
         self.other_sizes: dict[tuple[int, int], list] = {}  # (h, w) -> [images, the first of them]: not kept
 
@@ -136,9 +187,13 @@ class ImageStack:
             return False
         if self.count == len(self._x):
             room = (self.budget.limit - self.budget.used) // img.nbytes + 1  # charged already: never past the budget
-            grown = np.empty((self.count + max(1, min(self.count, room)), *self._x.shape[1:]), dtype=np.uint8)
-            grown[: self.count] = self._x
-            self._x = grown
+            shape = (self.count + max(1, min(self.count, room)), *self._x.shape[1:])
+            if self._shared:  # `array` handed out a view of it: it must stay where it is
+                grown = np.empty(shape, dtype=np.uint8)
+                grown[: self.count] = self._x[: self.count]
+                self._x, self._shared = grown, False
+            else:  # in place (realloc moves a large block's pages rather than copying them): a copy would hold every
+                self._x.resize(shape, refcheck=False)  # image kept so far twice, uncounted
         self._x[self.count] = img
         self.count += 1
         return True
@@ -148,7 +203,8 @@ class ImageStack:
         if self._x is None:
             side = self.image_size or 0
             return np.zeros((0, self.channels, side, side), dtype=np.uint8)
-        return self._x if self.count == len(self._x) else self._x[: self.count].copy()
+        self._shared = True  # a view: a copy would hold the images twice (rows never filled are never touched)
+        return self._x[: self.count]
 
 
 def _select(source: DataSource, objects: list[SourceObject], manifest: DataManifest,

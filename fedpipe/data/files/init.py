@@ -141,8 +141,10 @@ def propose_image_size(url: str) -> tuple[int, str] | None:
 
 def _all_grayscale(source: DataSource, images: list[SourceObject]) -> bool:
     """True when every readable image of an even sample across the files has equal R, G and B."""
+    from fedpipe.data.files.budget import DecodeBudget, auto_decoded_mb
     from fedpipe.data.files.images import MAX_IMAGE_BYTES, decode_image
 
+    budget_mb, _ = auto_decoded_mb()  # each sampled image decoded within the budget a run would read it under
     step = max(1, len(images) // SAMPLED_IMAGES)
     seen = 0
     for obj in images[::step][:SAMPLED_IMAGES]:
@@ -150,7 +152,7 @@ def _all_grayscale(source: DataSource, images: list[SourceObject]) -> bool:
             data = source.read(obj, MAX_IMAGE_BYTES)
         except DataError:
             continue  # `fedpipe data check` reports it
-        rgb = decode_image(data, source.url(obj.key), 3, None, Problems())
+        rgb = decode_image(data, source.url(obj.key), 3, None, Problems(), DecodeBudget(budget_mb))
         if rgb is None:
             continue
         if not (np.array_equal(rgb[0], rgb[1]) and np.array_equal(rgb[1], rgb[2])):

@@ -13,36 +13,12 @@ from fedpipe.errors import DataError
 MAX_LISTED = 20  # problems of one kind spelled out in a message; the rest are counted
 MAX_WHERE_CHARS = 500  # a problem's "where" and "what" as stored: a file name or a quoted value is cut, never
 MAX_WHAT_CHARS = 1000  # repeated whole (a message quoting a 1 MB cell, a thousand times, was 21 MB of output)
-DEFAULT_DECODED_MB = 16_384  # data.max_decoded_mb: what a drop may take in memory once decoded
 
 
 def shown(value: object, limit: int = 80) -> str:
     """A value quoted in a message: its repr, cut to `limit` characters (a cell can be megabytes long)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
-class DecodeBudget:
-    """The bytes a whole drop may take once decoded (images as pixels, table values after dictionary expansion):
-    bounds per file alone let a few small, highly compressible files claim gigabytes. Readers `charge` what they
-    are about to materialise; the first charge past the budget is an error naming the file and the budget."""
-
-    def __init__(self, max_mb: int = DEFAULT_DECODED_MB):
-        self.limit, self.used, self.exhausted = int(max_mb) * 2**20, 0, False
-
-    def charge(self, nbytes: int, where: str, what: str, problems: Problems) -> bool:
-        """Count `nbytes` about to be decoded from `where`; False (an error recorded) when past the budget."""
-        if self.exhausted:
-            return False
-        if self.used + nbytes > self.limit:
-            self.exhausted = True
-            problems.error("over the decoding budget", where,
-                           f"{what} would take {nbytes / 2**20:,.1f} MB decoded, past the drop's budget of {self.limit // 2**20:,} MB "
-                           f"({self.used / 2**20:,.1f} MB used by the files before it); the data is far larger than its files or "
-                           "a compression bomb. Shrink or remove it, or raise data.max_decoded_mb if the data is really this large")
-            return False
-        self.used += nbytes
-        return True
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from fedpipe.data import PAD_ID, UNK_ID
+from fedpipe.data.files.budget import DecodeBudget
 from fedpipe.data.files.manifest import TABLE_EXTENSIONS, DataManifest, TableLayout
-from fedpipe.data.files.rows import ClientRows, DecodeBudget, Problems, shown
-from fedpipe.data.identity import identities
-from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, build_vocabulary, encode, tokenize
+from fedpipe.data.files.rows import ClientRows, Problems, shown
+from fedpipe.data.identity import identity_of
+from fedpipe.data.text import TEXT_MAX_LENGTH, TEXT_VOCAB_SIZE, rank_words, tokenize
 from fedpipe.errors import DataError
 from fedpipe.store.source import DataSource, SourceObject
 
@@ -51,6 +53,10 @@ MAX_IMAGE_BYTES = 64 * 2**20  # one image a path column names
 BATCH_ROWS = 65_536  # rows converted at a time (Parquet)
 CSV_BLOCK_BYTES = 1 << 22  # bytes of CSV parsed at a time
 MAX_ROW_PROBLEMS = 1_000  # problems of one kind listed per file; the rest are counted
+IDENTITY_VALUES = 1 << 16  # values turned into Python objects at a time to name rows (rows x named columns)
+TOKENIZING_BYTES = 48  # what tokenizing a text holds per character of it, at most: its lower-cased copy, and a
+#                        word object and a list slot for every other character (one-letter words and separators)
+WORD_BYTES = 256  # what one more distinct word costs while the vocabulary is counted (its text, two dict entries)
 ROW_NOTE = "(rows count from 1; a CSV's header line is not counted)"
 _INTEGER = re.compile(r"[+-]?\d+")
 
@@ -164,6 +170,25 @@ def _text(col: pa.Array) -> pa.Array:
     return pc.cast(col, pa.string())
 
 
+def _distinct(col: pa.Array) -> tuple[list, np.ndarray]:
+    """A column's distinct values as Python objects (text, integers as written; bytes for a binary column) and
+    each row's index into them (-1 where missing), without expanding it: a value repeated on every row of a
+    dictionary-encoded column is one object, however many rows hold it (a 3 KB client name on 262,144 rows was
+    800 MB of copies). A dictionary larger than the rows it serves gives only those rows' values."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_dictionary(col.type) and len(col.dictionary) > len(col):
+        col = col.dictionary_decode()  # a slice of a large dictionary's column: its own values only
+    if pa.types.is_dictionary(col.type):
+        values, indices = col.dictionary, col.indices
+        if not _is_bytes(values.type):
+            values = _text(values)
+    else:
+        encoded = (col if _is_bytes(col.type) else _text(col)).dictionary_encode()
+        values, indices = encoded.dictionary, encoded.indices
+    return values.to_pylist(), pc.fill_null(indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def _is_scalar(t: pa.DataType) -> bool:
     """A type whose values have a text form a client or a label can be: text, integers, floats, booleans."""
     if pa.types.is_dictionary(t):
@@ -216,12 +241,13 @@ class _Names:
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
 
-    def rows(self, col: pa.Array) -> np.ndarray:
-        """int64 index per row; -1 where missing or empty."""
-        enc = _text(col).dictionary_encode()
-        lut = [self.index.setdefault(v, len(self.index)) if v else -1 for v in enc.dictionary.to_pylist()]
-        lut.append(-1)
-        return np.asarray(lut, dtype=np.int64)[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
+    def rows(self, values: list, index: np.ndarray) -> np.ndarray:
+        """int64 index per row of a column given as `_distinct` gives it; -1 where missing or empty."""
+        lut = np.full(len(values) + 1, -1, dtype=np.int64)  # the last entry: a missing value (index -1)
+        for k in np.unique(index[index >= 0]).tolist():  # the values some row holds (a dictionary may hold others)
+            if values[k]:
+                lut[k] = self.index.setdefault(values[k], len(self.index))
+        return lut[index]
 
     def sorted(self, clients: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
         """The rows' indices into the sorted names, and those names."""
@@ -248,11 +274,10 @@ class _Labels:
             return int(value)
         return -1
 
-    def rows(self, texts: pa.Array) -> np.ndarray:
-        """int64 class per row of a text column: -1 where unknown, -2 where missing."""
-        enc = texts.dictionary_encode()
-        lut = np.asarray([self.of(v) for v in enc.dictionary.to_pylist()] + [-2], dtype=np.int64)
-        return lut[pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False)]
+    def rows(self, values: list, index: np.ndarray) -> np.ndarray:
+        """int64 class per row of a column given as `_distinct` gives it: -1 where unknown, -2 where missing."""
+        lut = np.asarray([self.of(v) for v in values] + [-2], dtype=np.int64)
+        return lut[index]
 
     def expected(self) -> str:
         names = ", ".join(repr(x) for x in self.labels[:10]) + (", ..." if len(self.labels) > 10 else "")
@@ -342,15 +367,19 @@ class _Images:
     """The image column: paths relative to the source, or encoded bytes; decoded as the row is read."""
 
     def __init__(self, source: DataSource, objects: list[SourceObject], layout: TableLayout,
-                 image_size: int | None) -> None:
+                 image_size: int | None, budget: DecodeBudget) -> None:
         from fedpipe.data.files.images import ImageStack
 
         self.source, self.by_key, self.column = source, {o.key: o for o in objects}, layout.image_column
-        self.stack = ImageStack(layout.channels, image_size)
+        self.stack = ImageStack(layout.channels, image_size, budget=budget)
         self.used: dict[str, SourceObject] = {}
 
     def batch(self, batch: pa.RecordBatch, report: _Report, offset: int) -> None:
-        for r, value in enumerate(batch.column(self.column).to_pylist()):
+        values, index = _distinct(batch.column(self.column))
+        for r, k in enumerate(index.tolist()):
+            if self.stack.budget.exhausted:
+                return
+            value = values[k] if k >= 0 else None
             where = f"{report.url} row {offset + r + 1}"
             data = self._bytes(value, r, report, offset)
             if data is None:
@@ -382,24 +411,56 @@ class _Images:
 
 
 class _Texts:
-    """The text column: each row's words, encoded once every row is read (one vocabulary for the table)."""
+    """The text column, encoded once every row is read (one vocabulary for the table), counted as it is read: the
+    words' counts (for the vocabulary) and each row's first TEXT_MAX_LENGTH words, as numbers of words; never
+    every row's words (a 1 MB text of one repeated word is 350,000 word objects, 22 MB; 50 rows of it were 1.5 GB).
+    A text repeated on many rows (a dictionary-encoded column) is tokenized once."""
 
-    def __init__(self, column: str) -> None:
-        self.column = column
-        self.words: list[list[str]] = []
+    def __init__(self, column: str, budget: DecodeBudget) -> None:
+        self.column, self.budget = column, budget
+        self.counts: Counter[str] = Counter()  # every word of every row: the vocabulary is their most frequent
+        self.numbers: dict[str, int] = {}  # word -> its number, for the words a row keeps
+        self.heads: list[np.ndarray] = []  # per batch: int32 [rows, TEXT_MAX_LENGTH] word numbers, -1 past the end
 
     def batch(self, batch: pa.RecordBatch, report: _Report, offset: int) -> None:
-
-        values = _text(batch.column(self.column)).to_pylist()
-        missing = np.asarray([i for i, v in enumerate(values) if v is None], dtype=np.int64)
+        values, index = _distinct(batch.column(self.column))
+        missing = np.flatnonzero(index < 0)
         if len(missing):
             report.rows("missing text", missing, offset, lambda _r: f"column {self.column!r} is empty")
-        self.words += [tokenize(v) if v is not None else [] for v in values]
+        held, first, times = np.unique(index, return_index=True, return_counts=True)  # the values rows hold
+        heads = np.full((len(values) + 1, TEXT_MAX_LENGTH), -1, dtype=np.int32)  # the last: a missing text
+        words_before = len(self.counts)
+        for k, r, n in zip(held.tolist(), first.tolist(), times.tolist(), strict=True):
+            if k < 0:
+                continue
+            text = values[k]
+            if not self.budget.fits(TOKENIZING_BYTES * len(text), f"{report.url} row {offset + r + 1}",
+                                    f"tokenizing this text of {len(text):,} characters", report.problems):
+                return
+            words = tokenize(text)
+            if n == 1:
+                self.counts.update(words)
+            else:  # the same text on several rows: its words counted as often
+                for word, m in Counter(words).items():
+                    self.counts[word] += m * n
+            kept = [self.numbers.setdefault(w, len(self.numbers)) for w in words[:TEXT_MAX_LENGTH]]
+            heads[k, : len(kept)] = kept
+            del words
+        # the new distinct words, and each row's word numbers (int32 now, int64 token ids at the end)
+        grown = (len(self.counts) - words_before) * WORD_BYTES + len(index) * TEXT_MAX_LENGTH * 12
+        if self.budget.charge(grown, report.url, f"the words of rows {offset + 1:,} to {offset + len(index):,}", report.problems):
+            self.heads.append(heads[index])
 
     def result(self) -> np.ndarray:
-
-        vocabulary = build_vocabulary(self.words, TEXT_VOCAB_SIZE)  # every row: see the module docstring
-        return encode(self.words, vocabulary, TEXT_MAX_LENGTH)
+        """int64 [rows, TEXT_MAX_LENGTH] token ids: `text.encode` of every row's words under `text.build_vocabulary`
+        of all of them (the same ids, computed from the counts and the kept words)."""
+        vocabulary = rank_words(self.counts, TEXT_VOCAB_SIZE)  # every row: see the module docstring
+        lut = np.full(len(self.numbers) + 1, PAD_ID, dtype=np.int64)  # the last entry: past a text's end (-1)
+        for word, number in self.numbers.items():
+            lut[number] = vocabulary.get(word, UNK_ID)
+        if not self.heads:
+            return np.empty((0, TEXT_MAX_LENGTH), dtype=np.int64)
+        return lut[np.concatenate(self.heads)]
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -431,11 +492,21 @@ def _required(layout: TableLayout) -> list[str]:
 
 def _identity_batch(batch: pa.RecordBatch, layout: TableLayout, out: np.ndarray) -> None:
     """Each row's identity (`fedpipe.data.identity`): its client and its id column, else its client and its
-    input values (as read: text, or an image column's bytes); never its label."""
+    input values (as read: text, or an image column's bytes); never its label. The values become Python objects
+    IDENTITY_VALUES at a time, each distinct one once (`_distinct`), and rows naming the same values are hashed
+    once: a 1 MB text on 50 rows is not 50 copies of it."""
     named = [layout.id_column] if layout.id_column else _inputs_of(layout)
     columns = [batch.column(layout.client_column), *(batch.column(c) for c in named)]
-    values = [col.to_pylist() if _is_bytes(col.type) else _text(col).to_pylist() for col in columns]
-    out[:] = identities(tuple(b"" if v is None else v for v in row) for row in zip(*values, strict=True))
+    step = max(1, IDENTITY_VALUES // len(columns))
+    for start in range(0, len(batch), step):
+        parts = [_distinct(col.slice(start, step)) for col in columns]
+        keys = np.stack([index for _, index in parts], axis=1)
+        repeated = all(len(values) < len(index) for values, index in parts[1:])  # else every row differs
+        named_by, row_of = np.unique(keys, axis=0, return_inverse=True) if repeated else (keys, None)
+        # per column, each named row's value (the same objects, not copies; a missing value: b"")
+        values = [[held[k] for k in ks] for held, ks in zip([[*v, b""] for v, _ in parts], named_by.T.tolist(), strict=True)]
+        ids = np.fromiter((identity_of(*row) for row in zip(*values, strict=True)), dtype=np.uint64, count=len(named_by))
+        out[start : start + step] = ids if row_of is None else ids[row_of.reshape(-1)]
 
 
 def _schema_problems(table: _Table, layout: TableLayout, report: _Report) -> bool:
@@ -494,6 +565,8 @@ def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, input
                 _feature_batch(batch, layout.features, x.take(len(batch)), report, offset)
             if inputs is not None:
                 inputs.batch(batch, report, offset)
+                if budget.exhausted:  # an image or a text past the budget (named by the error)
+                    return None
             offset += len(batch)
     except (pa.ArrowException, OSError) as exc:
         return report.file("unreadable table", f"reading stopped after {offset} rows: {exc}")
@@ -511,15 +584,15 @@ def _read_file(source: DataSource, obj: SourceObject, layout: TableLayout, input
 def _rows_batch(batch: pa.RecordBatch, layout: TableLayout, read: _Read, report: _Report, offset: int,
                 y: np.ndarray, c: np.ndarray) -> None:
     """Fill a batch's labels and clients; a missing client, a missing or unknown label is a row error."""
-    c[:] = read.clients.rows(batch.column(layout.client_column))
+    c[:] = read.clients.rows(*_distinct(batch.column(layout.client_column)))
     report.rows("missing client", np.flatnonzero(c < 0), offset,
                 lambda _r: f"client column {layout.client_column!r} is empty")
-    labels = _text(batch.column(layout.label_column))
-    y[:] = read.labels.rows(labels)
+    labels, index = _distinct(batch.column(layout.label_column))
+    y[:] = read.labels.rows(labels, index)
     report.rows("missing label", np.flatnonzero(y == -2), offset,
                 lambda _r: f"label column {layout.label_column!r} is empty")
     report.rows("unknown label", np.flatnonzero(y == -1), offset,
-                lambda r: f"label {shown(labels[r].as_py())} is not a label of the manifest; {read.labels.expected()}")
+                lambda r: f"label {shown(labels[index[r]])} is not a label of the manifest; {read.labels.expected()}")
 
 
 def _where(urls: list[str], starts: list[int]) -> Callable[[int], str]:
@@ -541,15 +614,13 @@ def read_table(source: DataSource, objects: list[SourceObject], manifest: DataMa
     assert isinstance(layout, TableLayout)
     errors_before = len(problems.errors)
     files = _table_files(source, objects, layout, problems)
+    budget = budget if budget is not None else DecodeBudget()
     inputs: _Images | _Texts | None = None
     if layout.image_column:
-        inputs = _Images(source, objects, layout, image_size)
+        inputs = _Images(source, objects, layout, image_size, budget)
     elif layout.text_column:
-        inputs = _Texts(layout.text_column)
+        inputs = _Texts(layout.text_column, budget)
     read = _Read(_Names(), _Labels(manifest.labels), [], [], [], [], [], [])
-    budget = budget if budget is not None else DecodeBudget()
-    if isinstance(inputs, _Images):
-        inputs.stack.budget = budget
     for obj in files:
         if budget.exhausted:
             break

@@ -1,0 +1,145 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict`, and that build fails on a
+broken internal link, a page missing from the navigation, and a generated page that differs from what the code
+generates now (scripts/gen_docs.py; the hooks in scripts/mkdocs_hooks.py check it while the site builds).
+
+Each failure is shown by breaking a copy of the site once. The builds run the real MkDocs, Material, Graphviz and
+headless Chromium (scripts/test-services.sh installs the last two), a few seconds each."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MKDOCS = Path(sys.executable).with_name("mkdocs")
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gen_docs  # noqa: E402
+
+
+def build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run([str(MKDOCS), "build", "--strict", "-f", str(config), "-d", str(site)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture
+def site_copy(tmp_path: Path) -> Path:
+    """mkdocs.yml and docs/ copied into tmp_path (hooks and sources still the repository's): the copy to break."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    config = (ROOT / "mkdocs.yml").read_text()
+    config = config.replace("  - scripts/mkdocs_hooks.py", f"  - {ROOT / 'scripts' / 'mkdocs_hooks.py'}")
+    (tmp_path / "mkdocs.yml").write_text(config)
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_the_site_builds_strict_with_its_pictures(tmp_path: Path):
+    done = build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    site = tmp_path / "site"
+    for page in gen_docs.PAGES:  # every generated page became a page of the site
+        assert (site / page).with_suffix(".html").is_file(), page
+    for picture in ("images/layers.svg", "images/pipelines/superfed_mm.svg", "images/pipelines/study.svg",
+                    "images/default-run/report.png", "images/default-run/accuracy.png",
+                    "images/default-run/partition_heatmap.png"):
+        assert (site / picture).stat().st_size > 1000, picture
+    assert (site / "images/default-run/report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every method page shows its pipeline, drawn from the compiled YAML
+    for name in ("superfed_mm", "fedmoe", "ifca"):
+        svg = (site / f"images/pipelines/{name}.svg").read_text()
+        assert "<svg" in svg and "evaluate" in svg
+
+
+def break_link(site: Path) -> str:
+    page = site / "docs" / "get-started" / "index.md"
+    page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
+    return "no-such-page.md"
+
+
+def break_nav(site: Path) -> str:
+    (site / "docs" / "orphan-page.md").write_text("# A page no one can reach\n")
+    return "orphan-page.md"
+
+
+def break_generated_page(site: Path) -> str:
+    page = site / "docs" / "reference" / "config.md"
+    page.write_text(page.read_text().replace("| `train.rounds` | int | `30` |", "| `train.rounds` | int | `50` |", 1))
+    return "reference/config.md is stale"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("breaks", [break_link, break_nav, break_generated_page], ids=["broken link", "page not in nav", "stale generated page"])
+def test_a_strict_build_fails_on(site_copy: Path, breaks):
+    expected = breaks(site_copy)
+    done = build(site_copy / "mkdocs.yml", site_copy / "site")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert expected in out, out
+    assert "Aborted with" in out and "in strict mode" in out, out
+
+
+def test_the_generated_pages_are_what_the_code_generates():
+    stale = gen_docs.stale_pages()
+    assert not stale, f"stale generated pages: {stale}; run {gen_docs.REGENERATE}"
+
+
+def test_gen_docs_check_names_a_stale_page(tmp_path: Path, monkeypatch):
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    monkeypatch.setattr(gen_docs, "DOCS", tmp_path / "docs")
+    assert gen_docs.main(["--check"]) == 0
+    (tmp_path / "docs" / "methods" / "index.md").write_text("# Methods\n\nCopied by hand.\n")
+    assert gen_docs.main(["--check"]) == 1
+    assert gen_docs.stale_pages(tmp_path / "docs") == ["methods/index.md"]
+
+
+def test_the_config_reference_has_every_field_explain_prints():
+    from fedpipe.cli.run import _explain
+    from fedpipe.run.config import RunConfig
+
+    page = (ROOT / "docs" / "reference" / "config.md").read_text()
+    fields = [m.group(1) for line in _explain(RunConfig()) if (m := re.match(r"\s+(\S+) = ", line))]
+    assert len(fields) > 80
+    missing = [f for f in fields if f"`{f}`" not in page]
+    assert not missing, missing
+
+
+def test_the_cli_reference_has_every_command():
+    import typer
+
+    from fedpipe.cli import app
+
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    root = typer.main.get_command(app)
+    names = [f"fedpipe {name}" for name in root.commands]
+    assert "fedpipe run" in names and "fedpipe models" in names
+    assert not [n for n in names if f"`{n}`" not in page]
+    assert "## `fedpipe models serve`" in page.replace("### ", "## ")
+
+
+def test_the_methods_table_has_every_registered_method():
+    from fedpipe.algorithms import ALGORITHMS
+
+    page = (ROOT / "docs" / "methods" / "index.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| [`")]
+    assert [re.match(r"\| \[`([a-z_]+)`\]", r).group(1) for r in rows] == list(ALGORITHMS)
+
+
+def test_a_method_without_a_page_stops_the_generator(monkeypatch):
+    monkeypatch.setitem(gen_docs.FAMILIES, "baselines", ("Baselines", ("fedavg",)))
+    with pytest.raises(SystemExit, match="method 'fedprox' has no page: add it to FAMILIES"):
+        gen_docs.generate()
+
+
+def test_the_readme_is_about_one_screen_and_links_into_the_site():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert "make run    # sets up .venv" in readme and "make test   # sets up .venv with the test tools" in readme
+    for target in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (ROOT / target).is_file(), target
