@@ -21,6 +21,12 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 STAMP="$VENV/.fedpipe-flower-env"
 WANT="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-16)"
 
+# One builder at a time: the test suite's two workers (pytest-xdist) each ask for the environment at once, and
+# one's `rm -rf` of a half-built venv under the other failed both. The second waits here, then reuses it.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] && "$VENV/bin/python" -c "import flwr, torch" 2>/dev/null; then
   echo "flower env: reusing $VENV"
   exit 0
