@@ -4,8 +4,9 @@
 .PHONY: run test setup setup-test services images clean bench-peers docs docs-serve docs-tools
 
 # Two test processes (pytest-xdist): the suite took 38 min in one, 24 in two, on 2 cores; PYTEST_ARGS= runs it in one.
-# Each worker's torch gets its share of the cores (tests/conftest.py); the 25 slowest tests are listed at the end.
-PYTEST_ARGS ?= -n 2 --durations=25
+# Each worker's torch gets its share of the cores (tests/conftest.py); the federation tests share one worker
+# (tests/federation/conftest.py, --dist loadgroup); the 25 slowest tests are listed at the end.
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 
 run: setup
 	.venv/bin/fedpipe run

@@ -15,6 +15,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "federation: runs Flower processes (a SuperLink and sites) from scripts/flower-env.sh's environment")
 
 
+def pytest_collection_modifyitems(items):
+    """One federation at a time: under pytest-xdist (`--dist loadgroup`, the Makefile's) every federation test runs
+    on one worker. Two loopback federations at once (a SuperLink and 4-5 site processes each, a ClientApp process
+    per site per round) on 2 cores slowed a restarted site past its round's timeout."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.xdist_group("federation"))
+
+
 @pytest.fixture(scope="session")
 def flower_env() -> Path:
     """The Flower 1.42 environment; built by scripts/flower-env.sh when missing or stale (about a minute here)."""
