@@ -13,6 +13,8 @@ FLOWER_ENV = ROOT / ".cache" / "flower-venv"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "federation: runs Flower processes (a SuperLink and sites) from scripts/flower-env.sh's environment")
+    # pytest-xdist registers it, but not when it is off (-p no:xdist), and the suite runs with --strict-markers
+    config.addinivalue_line("markers", "xdist_group(name): tests that --dist loadgroup keeps on one worker")
 
 
 def pytest_collection_modifyitems(items):

@@ -23,6 +23,7 @@ import time
 import pytest
 import safetensors.torch
 import torch
+from runs import train_all
 
 from fedpipe.federation.tryout import LoopbackFederation, prepare
 from fedpipe.run.config import load_config
@@ -54,11 +55,7 @@ def loopback(tmp_path_factory, flower_env):
     cfg = load_config(None, [*OVERRIDES, f"run.store={work / 'store'}", "run.id=loopback"])
 
     t0 = time.perf_counter()
-    run = Run(cfg)
-    run.partition()
-    state = None
-    for phase in run.phases():
-        state = run.train(phase.name)
+    state = train_all(Run(cfg))  # the simulation of the same partition
     simulated = {k: v.detach().cpu() for k, v in state.server.global_params.items()}
     sim_seconds = time.perf_counter() - t0
 

@@ -21,6 +21,7 @@ import time
 import pytest
 import safetensors.torch
 import torch
+from runs import train_all
 
 from fedpipe.engine.state import PhaseState
 from fedpipe.federation import resume
@@ -42,11 +43,7 @@ def _rounds(out):
 def restarted(tmp_path_factory, flower_env):
     work = tmp_path_factory.mktemp("server-restart")
     cfg = load_config(None, [*OVERRIDES, f"run.store={work / 'store'}", "run.id=restart"])
-    run = Run(cfg)
-    run.partition()
-    state = None
-    for phase in run.phases():
-        state = run.train(phase.name)
+    state = train_all(Run(cfg))  # the simulation of the same partition
     simulated = {k: v.detach().cpu() for k, v in state.server.global_params.items()}
 
     spec_file, folders = prepare(cfg, work)
