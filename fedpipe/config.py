@@ -314,6 +314,11 @@ class EngineConfig(Section):
     """How a phase is executed. None of it changes the method's math: results agree within float
     tolerance whatever is chosen here (so it is left out of the run's fingerprint)."""
 
+    mode: Literal["simulation", "federation"] = "simulation"
+    """simulation: every client's data in one store, the federation simulated in the phase task (the research
+    path). federation: the phase task runs the server side against a Flower SuperLink and each site trains
+    on its own data in its own process (`fedpipe site`); only the method's upload crosses the network
+    (the `federation` section; docs/federation.md)."""
     clients: Literal["auto", "batched", "sequential"] = "auto"
     """How a round's clients are trained in each process: sequential (one after another), batched
     (many at once with torch.func.vmap, one stacked model per chunk), or auto: batched on a GPU, one
@@ -357,6 +362,49 @@ class EngineConfig(Section):
     off elsewhere; the choice is recorded beside the phase's checkpoints (engine.json) like
     engine.clients and reused on resume. bf16: on any GPU, and on a CPU (CPU autocast: slower than
     fp32 without AMX; for checking a bf16 run's numbers). Evaluation always runs in fp32."""
+
+
+class SecureAggregationConfig(Section):
+    """SecAgg+ (Bell et al. 2020, as Flower 1.42's SecAggPlusWorkflow and secaggplus_mod run it): each site masks
+    its weighted upload so that the server learns only the sum over the round's sites, never one site's update."""
+
+    enabled: bool = False
+    """On: every round's uploads are summed under SecAgg+ masks (federation mode only, and only for methods whose
+    aggregation is a weighted sum: `fedpipe methods`). The server then cannot check one site's values, only the
+    sum's: each site checks its own upload (finite, shapes) before masking it."""
+    num_shares: Annotated[int, Field(ge=3, le=MAX_CLIENTS)] | Annotated[float, Field(gt=0, le=1)] = 3
+    """Shares each site's secrets are split into (an int of at least 3, as Flower's SecAggPlusWorkflow requires, or a
+    fraction of the round's sites); Flower's default 3."""
+    reconstruction_threshold: Annotated[int, Field(ge=2, le=MAX_CLIENTS)] | float = 2
+    """Shares needed to unmask (an int, or a fraction of num_shares): the rounds survive up to
+    num_shares - reconstruction_threshold sites dropping out mid-protocol."""
+    clipping_range: float = Field(8.0, gt=0, le=1e6)
+    """Each value of a site's weighted upload is clipped to +-this before quantisation (Flower's default 8.0)."""
+    quantization_range: Annotated[int, Field(ge=2**8, le=2**40)] = 2**22
+    """Quantisation levels over [-clipping_range, clipping_range] (Flower's default 2**22: one step ~3.8e-6)."""
+    max_weight: float = Field(1000.0, gt=0, le=1e12)
+    """The largest sample count a site may weigh its upload with (Flower's max_weight); a site with more
+    samples is counted as this many."""
+
+
+class FederationConfig(Section):
+    """engine.mode=federation: the run's server side against a Flower SuperLink, each site a `fedpipe site` process
+    next to its own data (docs/federation.md). Where the run's processes find the federation and how long they wait."""
+
+    superlink: str = Field("127.0.0.1:9093", max_length=MAX_URL_CHARS)
+    """The SuperLink's host:port (its one TLS port: Fleet, Control and Runtime APIs, Flower 1.42)."""
+    root_certificates: str | None = Field(None, max_length=MAX_URL_CHARS)
+    """The CA certificate (PEM file) the SuperLink's certificate is checked against; TLS is always on."""
+    sites: Annotated[int, Field(ge=1, le=MAX_CLIENTS)] | None = None
+    """How many sites the run waits for before its first round (None: partition.num_clients)."""
+    connect_timeout: float = Field(300, gt=0, le=86_400)
+    """Seconds the run waits for the sites to connect and answer the census."""
+    round_timeout: float = Field(300, gt=0, le=86_400)
+    """Seconds a round waits for each chosen site's reply; a site that has not replied counts as failed
+    (the round is kept with at least min(train.min_clients, chosen) sites)."""
+    rejoin_wait: float = Field(0, ge=0, le=86_400)
+    """Seconds a round waits at its start for a chosen site that is not connected (a site restarting)."""
+    secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
 
 
 class PrivacyConfig(Section):

@@ -76,6 +76,27 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
     return _save(fig, path)
 
 
+def census_heatmap(census: dict, path: str | Path) -> Path:
+    """A federation's partition heatmap, drawn from its census (`fedpipe.federation.census`: each site's label counts
+    over its train, validation and test splits, as the sites reported them; no sample left a site). Returns `path`."""
+    sites = census["sites"]
+    counts = np.array([np.sum([s["counts"][k] for k in ("train", "val", "test")], axis=0) for s in sites], dtype=np.int64)
+    k, c = counts.shape
+    fig = Figure(figsize=(float(np.clip(2.5 + 0.32 * c, 6.0, 18.0)), float(np.clip(1.5 + 0.28 * k, 3.5, 16.0))), dpi=110,
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    _draw_counts(fig, ax, counts, tuple(census.get("labels", ())))
+    ax.set_yticks(np.arange(k))
+    ax.set_yticklabels([f"{s['name']}{' (opt-out)' if s.get('opt_out') else ''}" for s in sites], fontsize=8)
+    ax.set_ylabel("site")
+    _annotate_counts(ax, counts)
+    held = sum(int(np.sum(s["counts"]["holdout"])) for s in sites)
+    fig.suptitle(f"federation census: {k} sites, {c} classes (counts the sites reported; {held:,} samples held out "
+                 "at the sites as the global test set)", fontsize=10)
+    return _save(fig, path)
+
+
 def _draw_counts(fig: Figure, ax, counts: np.ndarray, class_names: tuple[str, ...] = ()) -> None:
     """The heatmap of `counts` (clients x classes), its colour bar and its class axis (by name when given)."""
     c = counts.shape[1]

@@ -5,7 +5,7 @@
 - `run`: run, partition, train, evaluate, verify, config;
 - `deploy`: compile, register, submit, schedule, unschedule (and the deployment flags);
 - `check`: what a run needs, checked from a pod; `info`: methods, datasets;
-- `data`: your own data (init, check); `models`: model lines and predict; `study`: studies;
+- `data`: your own data (init, check); `site`: a site of a real federation (keygen, join, try); `models`: model lines and predict; `study`: studies;
 - `reproduce`: a paper's table run as the paper describes it, reported beside its numbers.
 - `privacy`: a run's differential privacy planned (privacy plan).
 """
@@ -16,7 +16,7 @@ import importlib
 
 from fedpipe.cli.common import app
 
-for _group in ("run", "deploy", "check", "info", "data", "models", "study", "reproduce", "privacy"):  # each adds its commands, in this order
+for _group in ("run", "deploy", "check", "info", "data", "site", "models", "study", "reproduce", "privacy"):  # each adds its commands, in this order
     importlib.import_module(f"fedpipe.cli.{_group}")
 
 __all__ = ["app", "main"]

@@ -29,6 +29,9 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     from fedpipe.run.run import Run
     from fedpipe.safe_load import read_store_json
 
+    if _load(config, set, run_id).engine.mode == "federation":  # the sites hold the data: the server side goes to the SuperLink
+        _run_federated(_load(config, set, run_id))  # no data snapshot to pin here: each site reads its own
+        return
     cfg = _load_for_run(config, set, run_id)
     r = Run(cfg, take_over=take_over)
     if fresh:
@@ -56,6 +59,23 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     typer.echo(f"  report as HTML         {folder / 'evaluate' / 'report'} (the pipeline's artifact)")
     if cfg.registry.name:
         _print_publication(r.store, cfg.registry.name, r.layout.run_id)
+
+
+def _run_federated(cfg) -> None:
+    """engine.mode=federation: submit the run to federation.superlink (the sites have joined it with `fedpipe site
+    join`), wait, and print what the sites reported (fedpipe.federation.launch)."""
+    from fedpipe.federation.launch import federate
+
+    typer.echo(f"Running {cfg.method.name} as a federation through {cfg.federation.superlink}: waiting for "
+               f"{cfg.federation.sites} sites", err=True)
+    summary = federate(cfg)
+    glob = summary["global_accuracy"]
+    typer.echo(f"  sites                  {summary['sites']}: " + ", ".join(summary["per_site"]))
+    typer.echo(f"  personalized accuracy  {summary['personalized_accuracy']:.4f} (mean over sites, each on its own test split)")
+    typer.echo(f"  global model           {'n/a' if glob is None else f'{glob:.4f}'} (on the sites' held-out shares)")
+    typer.echo(f"  rounds                 {summary['rounds']} ({summary['failed_clients']} failed site rounds); "
+               f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down")
+    typer.echo(f"  outputs                {summary['folder']}")
 
 
 def _print_publication(store, name: str, run_id: str) -> None:

@@ -9,62 +9,96 @@ The site trains with `fedpipe.engine.clients.ClientTrainer`, the code the simula
 with; the algorithm object is built from the spec the server sends (`FederationSpec`), so there is no
 second copy of any update rule. It returns only what the method's `client_result` uploads; the
 personal state it returns is saved in the site's own folder (`Site.save_state`) and never sent.
+
+Secure aggregation (`federation.secure_aggregation`, server side fedpipe/federation/secagg.py): a TRAIN message
+that carries SecAgg+ configs goes through Flower's `secaggplus_mod` (flwr/client/mod/secure_aggregation/
+secaggplus_mod.py; Bell et al. 2020), which answers the setup, share-keys and unmask stages itself and, in the
+collect-masked-vectors stage, calls `secure_train` and masks its upload. The site checks its own upload first
+(`check_own_upload`): the server sees only masked integers and can no longer check values.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat as compat
 
 from fedpipe.algorithms.base import ServerState
-from fedpipe.engine.clients import ClientTrainer, ClientWork
-from fedpipe.engine.evaluation import evaluate_personalized
+from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
+from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
+from fedpipe.federation import audit
 from fedpipe.federation.faults import corrupt, injected_fault
 from fedpipe.federation.sites import Site, state_digest
 from fedpipe.federation.spec import FederationSpec
-from fedpipe.federation.transport import from_record, to_record
+from fedpipe.federation.transport import UploadRejected, check_upload, from_record, to_record
 
 log = logging.getLogger(__name__)
 app = ClientApp()
 DEVICE = torch.device("cpu")
 
 def _site(context: Context, spec: FederationSpec | None = None) -> Site:
-    folder = str(context.node_config["site-dir"])
-    shape = tuple(spec.input_shape) if spec else (1,)
-    return Site(folder, DEVICE, spec.num_classes if spec else 0, shape)
+    """This site, from its node config: an exported try-out folder, or its own files split with the spec's data
+    parameters and numbered as the server's census assigned (`Site.assigned`)."""
+    client_id = Site.assigned(context.node_config["site-dir"], spec) if spec is not None and spec.site_data else None
+    return Site.from_node(context.node_config, DEVICE, spec, client_id)
 
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
-    """Which client this site is (the server maps its client ids to Flower node ids with it)."""
-    site = _site(context)
-    return Message(RecordDict({"site": ConfigRecord({"client-id": site.client_id, "opt-out": site.opt_out})}), reply_to=msg)
+    """The census (`fedpipe.federation.census`): which client this site is, or, for a site with its own files, its
+    name, labels, input shape and label counts (it splits its files here, with the spec the query carries). Then the
+    server's numbering of the sites ("assign"), kept in the site's folder for the run's later messages."""
+    ask = msg.content["ask"]
+    spec = FederationSpec.from_json(str(ask["spec"])) if "spec" in ask else None
+    if str(ask.get("what", "identity")) == "assign":
+        Site.assign(context.node_config["site-dir"], spec, int(ask["client-id"]))
+        return Message(RecordDict({"site": ConfigRecord({"assigned": int(ask["client-id"])})}), reply_to=msg)
+    site = Site.from_node(context.node_config, DEVICE, spec)
+    answer = {"client-id": site.client_id, "opt-out": site.opt_out}
+    if site.census is not None:
+        answer["census"] = json.dumps(site.census)
+    return Message(RecordDict({"site": ConfigRecord(answer)}), reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = msg.content["config"]
-    spec = FederationSpec.from_json(str(cfg["spec"]))
+def _train_here(context: Context, spec: FederationSpec, phase_name: str, round_: int, lr: float,
+                download: dict[str, torch.Tensor]) -> tuple[Site, ClientOutcome, dict | None, str | None]:
+    """This site's round with `ClientTrainer` (the simulation's client code): (site, outcome, state it started
+    from, the test-only injected fault)."""
     torch.set_num_threads(spec.threads)
-    phase = spec.phase(str(cfg["phase"]))
-    round_, lr = int(cfg["round"]), float(cfg["lr"])
+    phase = spec.phase(phase_name)
     site = _site(context, spec)
     algorithm, _ = spec.build(DEVICE)
     trainer = ClientTrainer(algorithm, phase, site.data, spec.train_cfg, spec.engine_cfg, spec.seed)
-    download = from_record(msg.content["download"], DEVICE)
     names = [p.name for p in spec.phases()]
     state = site.load_state(phase.name, DEVICE, tuple(names[:names.index(phase.name)]))
     fault = injected_fault(round_)
     if fault == "hang":
         print(f"fault injector: site {site.client_id} hangs in round {round_}", file=sys.stderr, flush=True)
         time.sleep(3600)
-    work = ClientWork(site.client_id, download, state)
-    (outcome,) = trainer.train([work], round_, lr)
+    (outcome,) = trainer.train([ClientWork(site.client_id, download, state)], round_, lr)
+    return site, outcome, state, fault
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    if RECORD_KEY_CONFIGS in msg.content.config_records:  # a SecAgg+ stage (secagg.SecureSiteRound)
+        return secaggplus_mod(msg, context, secure_train)
+    cfg = msg.content["config"]
+    spec = FederationSpec.from_json(str(cfg["spec"]))
+    phase = spec.phase(str(cfg["phase"]))
+    round_, lr = int(cfg["round"]), float(cfg["lr"])
+    download = from_record(msg.content["download"], DEVICE)
+    site, outcome, state, fault = _train_here(context, spec, phase.name, round_, lr, download)
     reply: dict = {}
     # state-in: a digest of the personal state this round started from (0: none), so a test can tell a site
     # that rejoined with its state from one that started afresh; the state itself never leaves the site
@@ -76,10 +110,65 @@ def train(msg: Message, context: Context) -> Message:
         if outcome.upload is not None:
             upload = corrupt(outcome.upload, fault) if fault else outcome.upload
             reply["upload"] = to_record(upload)
+            audit.record(site.folder, round_, "plain-upload", upload.values(), client=site.client_id)  # test-only, off unless set
         metrics.update({"loss": float(outcome.stats.loss), "samples": int(outcome.stats.samples),
                         "state-out": state_digest(outcome.new_state)})
     reply["metrics"] = MetricRecord(metrics)
     return Message(RecordDict(reply), reply_to=msg)
+
+
+def check_own_upload(site: str, download: dict[str, torch.Tensor], upload: dict[str, torch.Tensor], weight: float,
+                     cfg) -> None:
+    """The site's own check of its upload before SecAgg+ masks it (the server, seeing masked integers, cannot):
+    the server's `check_upload` (names, shapes and dtypes of the download, finite values, bytes), and no value that
+    the mod's clipping would change: secaggplus_mod scales the upload by weight / max_weight and clips it to
+    +-clipping_range before quantising (flwr/common/secure_aggregation/quantization.py), which would silently bias
+    the sum. Raises UploadRejected."""
+    check_upload(site, download, to_record(upload))
+    scale = weight / cfg.max_weight
+    worst = max((float(t.abs().max()) for t in upload.values() if t.numel()), default=0.0) * scale
+    if worst > cfg.clipping_range:
+        raise UploadRejected(f"upload from {site}: a value times its weight ({scale:.3g}) is {worst:.3g}, beyond "
+                             f"secure_aggregation.clipping_range={cfg.clipping_range:g}: SecAgg+ would clip it")
+
+
+def secure_train(msg: Message, context: Context) -> Message:
+    """The collect-masked-vectors stage's training, called by `secaggplus_mod`: the download comes as the legacy
+    FitIns (flwr/compat/common/recorddict_compat.py, parameters in the order of `config["names"]`) and the reply
+    must be a legacy FitRes: the mod reads it with `recorddict_to_fitres`, weighs the parameters by num_examples,
+    masks them and clears the reply's array records before it leaves.
+
+    A site whose training fails or whose upload fails `check_own_upload` raises: Flower turns that into an error
+    reply (flwr/supernode/runtime/run_clientapp.py), and the workflow counts the site as dropped after the share-keys
+    stage; its pairwise masks are removed from the others' sum with the key shares its neighbours hold (SecAgg+'s
+    dropout recovery), so the round's mean is the other sites' as long as every site keeps
+    reconstruction_threshold live neighbours (else the round halts and fails: `fedpipe.federation.secagg`)."""
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    cfg = fitins.config
+    spec = FederationSpec.from_json(str(cfg["spec"]))
+    names = json.loads(str(cfg["names"]))
+    arrays = parameters_to_ndarrays(fitins.parameters)
+    if len(arrays) != len(names):
+        raise UploadRejected(f"download of {len(arrays)} arrays for {len(names)} names")
+    download = {n: torch.from_numpy(np.array(a, copy=True)).to(DEVICE) for n, a in zip(names, arrays)}
+    round_ = int(cfg["round"])
+    site, outcome, state, fault = _train_here(context, spec, str(cfg["phase"]), round_, float(cfg["lr"]), download)
+    who = f"site {site.client_id}"
+    if outcome.error:
+        raise RuntimeError(f"ClientFailed: {who}: {outcome.error}")
+    if outcome.upload is None:
+        raise UploadRejected(f"{who} uploads nothing in phase {cfg['phase']!r}: nothing to sum securely")
+    secure = spec.federation_cfg.secure_aggregation
+    weight = min(outcome.num_samples, int(secure.max_weight))  # a site with more samples counts as max_weight
+    upload = corrupt(outcome.upload, fault) if fault else outcome.upload
+    check_own_upload(who, download, upload, weight, secure)
+    site.save_state(str(cfg["phase"]), outcome.new_state)  # stays here
+    audit.record(site.folder, round_, "plain-upload", upload.values(), client=site.client_id, weight=weight)  # test-only
+    audit.keep(site.folder, f"upload-{round_}", upload)
+    metrics = {"num-samples": outcome.num_samples, "state-in": state_digest(state), "loss": float(outcome.stats.loss),
+               "samples": int(outcome.stats.samples), "state-out": state_digest(outcome.new_state)}
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([t.detach().cpu().numpy() for t in upload.values()]), weight, metrics)
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 
 
 @app.evaluate()
@@ -101,4 +190,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = {"accuracy": float(c.accuracy), "loss": float(c.test[c.chosen].loss), "chosen": float(c.candidates[c.chosen]),
                "global-accuracy": float(c.test[0].accuracy) if result.candidate_label else float(c.accuracy),
                "test-samples": len(site.data.clients[0].test), "has-state": int(state is not None)}
+    held = site.data.global_test
+    if site.census is not None and len(held):  # own files: the global model on this site's share of the global test set
+        scores = evaluate_model(algorithm, server.global_params, held, int(cfg.get("batch-size", 256)), 10)
+        metrics.update({"holdout-accuracy": float(scores.accuracy), "holdout-samples": len(held)})
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

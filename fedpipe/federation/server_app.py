@@ -12,6 +12,8 @@ The rounds are `fedpipe.engine.rounds.run_phase`, the simulation's own loop: the
 `SiteRound` sends each chosen client's download to the site that holds it and turns each reply into a
 `ClientOutcome` after `check_upload`; a rejected or missing upload becomes a failed client (named in the
 log and in rounds.jsonl), which `run_round` leaves out while the round goes on (`train.min_clients`).
+With `federation.secure_aggregation.enabled` the trainer is `fedpipe.federation.secagg.SecureSiteRound` instead
+(SecAgg+: the server gets the round's weighted mean, never an upload); the plain path is this module's `SiteRound`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from fedpipe.engine.clients import ClientOutcome, ClientWork
 from fedpipe.engine.rounds import RoundResult, run_phase
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
-from fedpipe.federation import resume
+from fedpipe.federation import audit, resume
+from fedpipe.federation.census import Census, take_census
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, record_bytes, to_record
 
@@ -63,8 +66,11 @@ class Roster:
         return len(self.clients)
 
 
-def wait_for_sites(grid: Grid, expected: int, timeout: float) -> Roster:
-    """Wait until `expected` SuperNodes are connected, then ask each which client it holds."""
+def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSpec | None = None
+                   ) -> tuple[Roster, FederationSpec | None, Census]:
+    """Wait until `expected` SuperNodes are connected, then take the census (`fedpipe.federation.census`): each site
+    says which client it holds or, with its own files, what it holds; own-files sites are then told their client ids
+    ("assign", under the spec completed with the data's shape) and the completed spec is returned."""
     deadline = time.monotonic() + timeout
     nodes: list[int] = []
     while time.monotonic() < deadline:
@@ -74,19 +80,26 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float) -> Roster:
         time.sleep(0.5)
     if len(nodes) < expected:
         raise TimeoutError(f"only {len(nodes)} of {expected} sites connected within {timeout:.0f}s")
-    asks = [Message(RecordDict({"ask": ConfigRecord({"what": "identity"})}), dst_node_id=n, message_type=MessageType.QUERY)
-            for n in nodes]
-    entries = []
-    for reply in grid.send_and_receive(asks, timeout=timeout):
+    ask = {"what": "identity", **({"spec": spec.to_json()} if spec is not None and spec.site_data else {})}
+    answers = []
+    for node, reply in exchange(grid, [Message(RecordDict({"ask": ConfigRecord(ask)}), dst_node_id=n, message_type=MessageType.QUERY)
+                                       for n in nodes], timeout).items():
         if reply.has_error():
-            log.warning("Site on node %s did not identify itself: %s", reply.metadata.src_node_id, reply.error.reason)
+            log.warning("Site on node %s did not answer the census: %s", node, reply.error.reason)
             continue
         site = reply.content["site"]
-        entries.append(SiteEntry(int(site["client-id"]), bool(site["opt-out"]), reply.metadata.src_node_id))
-    ids = [e.client_id for e in entries]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"two sites claim the same client id: {sorted(ids)}")
-    return Roster(entries)
+        answers.append((node, {"client-id": int(site["client-id"]), "opt-out": bool(site["opt-out"]),
+                               "census": json.loads(str(site["census"])) if "census" in site else None}))
+    census = take_census(answers)
+    if census.input_shape is not None and spec is not None:
+        spec = spec.with_data(census.input_shape, census.num_classes)
+        assigns = [Message(RecordDict({"ask": ConfigRecord({"what": "assign", "spec": spec.to_json(), "client-id": s.client_id})}),
+                           dst_node_id=s.node_id, message_type=MessageType.QUERY) for s in census.sites]
+        replies = exchange(grid, assigns, timeout)
+        missing = [s.name for s in census.sites if s.node_id not in replies or replies[s.node_id].has_error()]
+        if missing:
+            raise TimeoutError(f"site(s) {missing} did not take their client id within {timeout:.0f}s")
+    return Roster([SiteEntry(s.client_id, s.opt_out, s.node_id) for s in census.sites]), spec, census
 
 
 class SiteRound:
@@ -149,6 +162,7 @@ class SiteRound:
                 upload = check_upload(site, work.download, content["upload"])
             except UploadRejected as e:
                 return self._reject(cid, round_, samples, f"UploadRejected: {e}")
+            audit.record(self.log_path, round_, "check_upload", upload.values(), client=cid)  # test-only, off unless set
             sent = record_bytes(content["upload"])
         stats = ClientStats(float(metrics["loss"]), int(metrics["samples"]))
         return ClientOutcome(cid, samples, upload, None, stats, sent)
@@ -195,6 +209,9 @@ class RoundLog:
                 "bytes_down": result.bytes_downloaded, "seconds": result.seconds,
                 "rejected": [r for r in self.trainer.rejected if r["round"] == result.round],
                 "reported": {str(c): m for c, m in sorted(self.trainer.reports.get(result.round, {}).items())}}
+        secure = getattr(self.trainer, "secure", {}).get(result.round)
+        if secure is not None:  # SecAgg+: how many masked vectors were summed, and the bytes of its four stages
+            line["secure_aggregation"] = secure
         with open(self.out / "rounds.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         save_global(self.out / "global.safetensors", state.server.global_params)
@@ -237,14 +254,29 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     phase fails (`fedpipe.engine.rounds.run_round`)."""
     torch.set_num_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
+    secure, audited = spec.federation_cfg.secure_aggregation.enabled, audit.enabled()
+    if secure or audited:
+        from fedpipe.federation import secagg  # Flower's legacy server stack, loaded only when needed
+
+        if audited:  # test-only: every reply the server receives is audited
+            grid = secagg.MeteredGrid(grid, out)
+    # the census first: with the sites' own files, the data's shape (and so the model) is known only from it
+    roster, spec, census = wait_for_sites(grid, spec.num_sites, timeout, spec)
+    (out / "census.json").write_text(json.dumps(census.summary()))
     algorithm, initial = spec.build(DEVICE)
-    roster = wait_for_sites(grid, spec.num_sites, timeout)
+    if secure:
+        for phase in spec.phases():
+            secagg.check_secure(spec, algorithm, phase)
+    if audited:  # test-only: and every aggregation hook the server has
+        algorithm = audit.AuditedAlgorithm(algorithm, out)
     log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
     state = resume.load(out, spec.to_json(), spec.method["name"]) or PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
     if state.round:
         log.info("fedpipe federation: resuming after round %d (phase %s) from %s", state.round, state.phase, out / resume.CHECKPOINT)
     for phase in spec.phases():
         trainer = SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait)
+        if secure:
+            trainer = secagg.SecureSiteRound(trainer, spec)
         state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)])
     save_global(out / "global.safetensors", state.server.global_params)
     scores = evaluate_at_sites(grid, roster, spec, state.server.global_params, timeout)

@@ -6,9 +6,10 @@ a site's ClientApp reads):
     data.safetensors       train_x, train_y, val_x, val_y, test_x, test_y (the client's tensors, as prepared)
     state/<phase>.safetensors   the personal state the method keeps at the site between rounds (written by the site)
 
-For this first step the splits are the simulation's own (`fedpipe.data.federated.prepare_data` of the run's
+The try-out's exported splits are the simulation's own (`fedpipe.data.federated.prepare_data` of the run's
 partition, standardised as the run does), so a federation can be compared with the simulation bit for bit.
-A site that makes its splits itself from its own `fedpipe-data.yaml` is the next step (docs/federation.md).
+A site with its own files (its own `fedpipe-data.yaml`) makes its splits itself (`fedpipe.federation.own_data`);
+its folder then holds `prepared/` (the cached splits) and `state/`.
 """
 
 from __future__ import annotations
@@ -44,17 +45,75 @@ def export_sites(data: FederatedData, out: str | Path) -> list[Path]:
 
 
 class Site:
-    """One site's data and personal state, read from its own folder only."""
+    """One site's data and personal state, read from its own folder (and its own files) only.
 
-    def __init__(self, folder: str | Path, device: torch.device, num_classes: int, input_shape: tuple[int, ...]):
+    Two kinds of site folder: one the try-out exported from a simulation's partition (`site.json` and
+    `data.safetensors`: the simulation's own tensors, for comparing a federation with it bit for bit), or a site
+    with its own files (`data_url`, the `data` entry of its node config): it splits them itself with the run's
+    parameters (`fedpipe.federation.own_data`) and learns its client id from the server (its rank among the
+    sites' names, sorted as the simulation sorts its clients)."""
+
+    def __init__(self, folder: str | Path, device: torch.device, num_classes: int, input_shape: tuple[int, ...],
+                 data_url: str | None = None, site_data: dict | None = None, client_id: int | None = None, opt_out: bool = False):
         self.folder = Path(folder)
+        self.census: dict | None = None
+        if data_url is not None:
+            from fedpipe.federation.own_data import prepare_own, site_federated_data
+
+            if not site_data:
+                raise ValueError(f"site {self.folder}: its own files ({data_url}) need the run's data parameters (spec.site_data), "
+                                 "which a run started with engine.mode=federation sends")
+            splits, self.census = prepare_own(data_url, site_data, self.folder, device)
+            self.client_id, self.opt_out = (-1 if client_id is None else int(client_id)), bool(opt_out)
+            self.census = {**self.census, "opt_out": self.opt_out}
+            self.data = site_federated_data(splits, self.client_id, self.opt_out, self.census["num_classes"],
+                                            tuple(self.census["input_shape"]))
+            return
         meta = json.loads((self.folder / SITE_FILE).read_text())
         self.client_id, self.opt_out = int(meta["client_id"]), bool(meta["opt_out"])
+        if client_id is not None and int(client_id) != self.client_id:
+            raise ValueError(f"site {self.folder} holds client {self.client_id}, but the server addressed it as client {client_id}")
         t = safetensors.torch.load_file(str(self.folder / DATA_FILE), device=str(device))
         split = lambda s: Split(t[f"{s}_x"], t[f"{s}_y"])  # noqa: E731
         client = ClientData(self.client_id, split("train"), split("val"), split("test"), self.opt_out)
-        # ClientTrainer reads the device off global_test; a site has no global test set, only its own
+        # ClientTrainer reads the device off global_test; an exported site has no global test share, only its own splits
         self.data = FederatedData((client,), client.test, num_classes, tuple(input_shape))
+
+    @classmethod
+    def from_node(cls, node_config, device: torch.device, spec=None, client_id: int | None = None) -> Site:
+        """The site a SuperNode's node config names (`site-dir`; with its own files also `data` and `opt-out`)."""
+        shape = tuple(spec.input_shape) if spec and spec.input_shape else (1,)
+        url = node_config.get("data")
+        return cls(str(node_config["site-dir"]), device, spec.num_classes if spec else 0, shape,
+                   data_url=str(url) if url else None, site_data=spec.site_data if spec else None, client_id=client_id,
+                   opt_out=str(node_config.get("opt-out", "false")).lower() in ("1", "true", "yes"))
+
+    # --- the server's numbering of own-files sites (the census's), kept for the run's later messages ---------------
+    ASSIGNED = "assigned.json"
+
+    @staticmethod
+    def _run_key(spec) -> str:
+        return hashlib.sha256(spec.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def assign(cls, folder: str | Path, spec, client_id: int) -> None:
+        """Keep the client id the server's census gave this site for the run of `spec` (written atomically)."""
+        path = Path(folder) / cls.ASSIGNED
+        known = json.loads(path.read_text()) if path.exists() else {}
+        known[cls._run_key(spec)] = int(client_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(list(known.items())[-64:])))  # the latest runs' only
+        tmp.replace(path)
+
+    @classmethod
+    def assigned(cls, folder: str | Path, spec) -> int:
+        path = Path(folder) / cls.ASSIGNED
+        known = json.loads(path.read_text()) if path.exists() else {}
+        key = cls._run_key(spec)
+        if key not in known:
+            raise ValueError(f"site {folder} was sent a round of a run whose census it did not take part in (spec {key}): "
+                             "the server numbers the sites before the first round")
+        return int(known[key])
 
     # --- the personal state store (kept across rounds, phases and runs, never sent) -------------------
     def _state_path(self, phase: str) -> Path:

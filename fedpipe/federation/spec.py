@@ -16,9 +16,9 @@ from pydantic import TypeAdapter
 
 from fedpipe.algorithms import Algorithm, MethodConfig, build_algorithm, phases_of
 from fedpipe.algorithms.base import MethodParams, Phase
-from fedpipe.config import EngineConfig, TrainConfig
+from fedpipe.config import EngineConfig, FederationConfig, TrainConfig
 from fedpipe.errors import ConfigError
-from fedpipe.federation.support import FEDERATED, NOT_YET
+from fedpipe.federation.support import FEDERATED, NOT_YET, secure_refusal
 from fedpipe.nn.networks import build_model
 from fedpipe.seeding import derive_seed
 
@@ -26,8 +26,8 @@ from fedpipe.seeding import derive_seed
 SUPPORTED = tuple(FEDERATED)
 
 
-def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0) -> str | None:
-    """Why `method` cannot run federated yet, in one line; None when it can."""
+def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure_aggregation: bool = False) -> str | None:
+    """Why `method` cannot run federated yet (with `secure_aggregation`: under SecAgg+), in one line; None when it can."""
     if privacy:
         return "privacy.enabled is not federated yet: the clipped (and in local mode noised) update would need the site-side Privacy object"
     if finetune_epochs:
@@ -35,6 +35,8 @@ def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0) -> str
     if method not in SUPPORTED:
         return (f"method {method!r} is not federated yet: {NOT_YET.get(method, 'not wired to the SuperLink')} "
                 f"(federated today: {', '.join(SUPPORTED)})")
+    if secure_aggregation:
+        return secure_refusal(method)
     return None
 
 
@@ -49,6 +51,9 @@ class FederationSpec:
     num_classes: int
     num_sites: int
     threads: int = 1  # torch threads in each ServerApp / ClientApp process
+    federation: dict = field(default_factory=dict)  # FederationConfig, dumped (timeouts, secure aggregation)
+    # own_data.site_params: each site splits its own files with these; empty: sites hold exported splits (try-out)
+    site_data: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     # --- (de)serialisation ---------------------------------------------------------------------
@@ -66,12 +71,32 @@ class FederationSpec:
     @classmethod
     def from_run_config(cls, cfg, input_shape: tuple[int, ...], num_classes: int, num_sites: int) -> FederationSpec:
         """From a `fedpipe.run.config.RunConfig` (in .venv, where the run config lives); refuses what is not federated yet."""
-        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs)
+        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs, cfg.federation.secure_aggregation.enabled)
         if why:
             raise ConfigError(why)
         return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
                    cfg.run.seed, cfg.model_name(tuple(input_shape)), list(input_shape), num_classes, num_sites,
-                   threads=cfg.run.threads or 1)
+                   threads=cfg.run.threads or 1, federation=cfg.federation.model_dump(mode="json"))
+
+    @classmethod
+    def for_sites(cls, cfg, num_sites: int, site_data: dict) -> FederationSpec:
+        """For sites with their own files (`fedpipe.federation.own_data.site_params`): the data's shape, classes and
+        (with model.name=auto) network come from the sites' census (`with_data`), not from data the server holds."""
+        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs, cfg.federation.secure_aggregation.enabled)
+        if why:
+            raise ConfigError(why)
+        return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
+                   cfg.run.seed, cfg.model.name, [], 0, num_sites, threads=cfg.run.threads or 1,
+                   federation=cfg.federation.model_dump(mode="json"), site_data=site_data)
+
+    def with_data(self, input_shape: tuple[int, ...], num_classes: int) -> FederationSpec:
+        """This spec with the data's shape and classes as the census found them (model.name=auto resolved for them)."""
+        from dataclasses import replace
+
+        from fedpipe.nn.networks import auto_model_name
+
+        name = auto_model_name(tuple(input_shape)) if self.model_name == "auto" else self.model_name
+        return replace(self, input_shape=list(input_shape), num_classes=int(num_classes), model_name=name)
 
     # --- what both sides build -------------------------------------------------------------------
     @property
@@ -81,6 +106,10 @@ class FederationSpec:
     @property
     def train_cfg(self) -> TrainConfig:
         return TrainConfig.model_validate(self.train)
+
+    @property
+    def federation_cfg(self) -> FederationConfig:
+        return FederationConfig.model_validate(self.federation)
 
     @property
     def engine_cfg(self) -> EngineConfig:

@@ -37,6 +37,28 @@ NOT_YET: dict[str, str] = {
 }
 
 
+#: The methods that may run with `federation.secure_aggregation.enabled` (SecAgg+, Bell et al. 2020): their round's
+#: aggregation is the plain sample-weighted mean of the uploads, which Flower's SecAgg+ workflow computes from the
+#: masked sum alone (fedpipe/federation/secagg.py), so the server never needs one site's upload.
+SECURE_AGGREGATION: dict[str, str] = {
+    "fedavg": "the round's weighted mean is computed from the masked sum alone (tests/federation/test_secagg.py)",
+}
+
+#: Why a federated method is refused with secure aggregation today (default: its aggregation needs each upload).
+SECURE_NOT_YET: dict[str, str] = {
+    "superfed_mm": "its aggregation is a weighted mean too, but its secure path is not wired and tested yet",
+}
+SECURE_DEFAULT = "its aggregation is not a plain weighted sum of the uploads: the server needs each site's upload"
+
+
+def secure_refusal(method: str) -> str | None:
+    """Why `method` cannot run with secure aggregation, in one line; None when it can."""
+    if method in SECURE_AGGREGATION:
+        return None
+    return (f"federation.secure_aggregation is not available for method {method!r}: {SECURE_NOT_YET.get(method, SECURE_DEFAULT)} "
+            f"(secure aggregation today: {', '.join(SECURE_AGGREGATION)})")
+
+
 def federated_status(method: str) -> str:
     """`fedpipe methods`' line: 'yes: ...' or 'not yet: why'."""
     if method in FEDERATED:

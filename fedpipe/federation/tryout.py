@@ -62,6 +62,69 @@ rejoin-wait = {rejoin_wait}
 """
 
 
+def node_config_arg(entries: dict) -> str:
+    """Flower's --node-config string (flwr/common/config.py `parse_config_args`: space-separated key=value, values as
+    TOML: strings double-quoted, booleans bare)."""
+    parts = []
+    for k, v in entries.items():
+        if isinstance(v, bool):
+            parts.append(f"{k}={'true' if v else 'false'}")
+        else:
+            text = str(v)
+            if '"' in text or "\\" in text or "\n" in text:
+                raise ValueError(f"node config {k}={text!r}: a path or URL for a site may not hold a quote, a backslash or a newline")
+            parts.append(f'{k}="{text}"')
+    return " ".join(parts)
+
+
+def supernode_args(supernode: str | Path, superlink: str, ca_cert: str | Path, private_key: str | Path, node_config: dict,
+                   port: int, max_retries: int | None = None) -> list[str]:
+    """The `flower-supernode` command of one site: TLS against `ca_cert`, authenticated by its `private_key`, its folder
+    (and its own files) in its node config, `port` its own ClientApp I/O port (flwr/supernode/cli/flower_supernode.py)."""
+    args = [str(supernode), "--superlink", superlink, "--root-certificates", str(ca_cert), "--auth-supernode-private-key",
+            str(private_key), "--node-config", node_config_arg(node_config), "--host", "127.0.0.1", "--port", str(port)]
+    if max_retries is not None:
+        args += ["--max-retries", str(max_retries)]
+    return args
+
+
+def write_connection(home: Path, name: str, address: str, ca_cert: str | Path) -> None:
+    """The `flwr` CLI's connection `name` to the SuperLink at `address`, TLS against `ca_cert`, in $FLWR_HOME/config.toml
+    (flwr/cli/flower_config.py)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{address}"\n'
+                                      f'root-certificates = "{Path(ca_cert).resolve()}"\n')
+
+
+def submit_app(flwr: str | Path, environ: dict[str, str], app: Path, connection: str, spec_file: Path, out: Path,
+               timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0) -> None:
+    """`flwr run` of fedpipe's app (its pyproject written to `app`) for `spec_file`, through `connection`; returns once
+    the SuperLink has accepted the run. The ServerApp writes to `out`, a path on the SuperLink's machine."""
+    app.mkdir(parents=True, exist_ok=True)
+    (app / "pyproject.toml").write_text(APP_PYPROJECT.format(spec=Path(spec_file).resolve(), out=Path(out).resolve(), timeout=timeout,
+                                                             round_timeout=float(round_timeout), rejoin_wait=float(rejoin_wait)))
+    r = subprocess.run([str(flwr), "run", str(app), connection, "--format", "json"], capture_output=True, text=True, env=environ,
+                       timeout=120, cwd=app.parent)
+    if r.returncode != 0:
+        raise RuntimeError(f"flwr run failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+
+def wait_result(out: Path, timeout: float, gone=lambda: None, log=lambda: "") -> dict:
+    """The ServerApp's result.json in `out` once written; RuntimeError with its error.json when it failed, or when
+    `gone()` says why it never will (the SuperLink exited); TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "result.json").exists():
+            return json.loads((out / "result.json").read_text())
+        if (out / "error.json").exists():
+            raise RuntimeError(f"the ServerApp failed: {(out / 'error.json').read_text()}\n{log()}")
+        why = gone()
+        if why:
+            raise RuntimeError(f"{why}:\n{log()}")
+        time.sleep(0.5)
+    raise TimeoutError(f"no result in {out} within {timeout:.0f}s\n{log()}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,10 +177,7 @@ class LoopbackFederation:
     def start(self) -> LoopbackFederation:
         self.work.mkdir(parents=True, exist_ok=True)
         self.tls = make_tls(self.certs)
-        self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n'
-            f'root-certificates = "{self.tls["ca_cert"]}"\n')
+        write_connection(self.home, CONNECTION, f"127.0.0.1:{self.port}", self.tls["ca_cert"])
         self._spawn("superlink", [str(self.bin / "flower-superlink"), "--ssl-ca-certfile", str(self.tls["ca_cert"]),
                                   "--ssl-certfile", str(self.tls["server_cert"]), "--ssl-keyfile", str(self.tls["server_key"]),
                                   "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(self.port),
@@ -143,19 +203,18 @@ class LoopbackFederation:
             raise RuntimeError(f"flwr supernode register {public_key.name} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
 
     def start_site(self, folder: str | Path, name: str | None = None, register: bool = True, max_retries: int | None = None,
-                   env: dict[str, str] | None = None) -> str:
+                   env: dict[str, str] | None = None, node_config: dict | None = None) -> str:
         """A SuperNode for the site folder `folder`, with a fresh key pair (registered unless `register=False`);
-        `env` adds environment variables to the site's processes (the tests' fault injector)."""
+        `env` adds environment variables to the site's processes (the tests' fault injector); `node_config` adds
+        node config entries (a site with its own files: `data`, `opt-out`)."""
         folder = Path(folder)
         name = name or folder.name
         private, public = make_site_key(self.certs / "sites", name)
         if register:
             self.register(public)
-        args = [str(self.bin / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--root-certificates",
-                str(self.tls["ca_cert"]), "--auth-supernode-private-key", str(private), "--node-config",
-                f'site-dir="{folder.resolve()}"', "--port", str(free_port())]
-        if max_retries is not None:
-            args += ["--max-retries", str(max_retries)]
+        node = {"site-dir": str(folder.resolve()), **(node_config or {})}
+        args = supernode_args(self.bin / "flower-supernode", f"127.0.0.1:{self.port}", self.tls["ca_cert"], private, node,
+                              free_port(), max_retries)
         self.site_args[name] = (args, dict(env or {}))
         self._spawn(name, args, env)
         return name
@@ -170,13 +229,8 @@ class LoopbackFederation:
     def submit(self, spec_file: Path, out: Path, timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0) -> None:
         """Submit fedpipe's app for `spec_file` (`round_timeout` 0: `timeout`; `rejoin_wait`: how long a round
         waits for a site that is not connected, see server_app.serve) and return at once."""
-        app = self.work / "fedpipeapp"
-        app.mkdir(parents=True, exist_ok=True)
-        (app / "pyproject.toml").write_text(APP_PYPROJECT.format(spec=Path(spec_file).resolve(), out=Path(out).resolve(), timeout=timeout,
-                                                                 round_timeout=float(round_timeout), rejoin_wait=float(rejoin_wait)))
-        r = self._cli("run", str(app), CONNECTION, "--format", "json")
-        if r.returncode != 0:
-            raise RuntimeError(f"flwr run failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        submit_app(self.bin / "flwr", self._environ(), self.work / "fedpipeapp", CONNECTION, spec_file, out, timeout,
+                   round_timeout, rejoin_wait)
 
     def run(self, spec_file: Path, out: Path, timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0) -> dict:
         """Submit fedpipe's app for `spec_file`, wait for the ServerApp's result.json (or error.json)."""
@@ -185,16 +239,9 @@ class LoopbackFederation:
 
     def wait(self, out: Path, timeout: float = 300) -> dict:
         """The ServerApp's result.json, once written (RuntimeError with its error.json if it failed)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (out / "result.json").exists():
-                return json.loads((out / "result.json").read_text())
-            if (out / "error.json").exists():
-                raise RuntimeError(f"the ServerApp failed: {(out / 'error.json').read_text()}\n{self.log_of('superlink')[-3000:]}")
-            if self.procs["superlink"].poll() is not None:
-                raise RuntimeError(f"the SuperLink exited:\n{self.log_of('superlink')[-3000:]}")
-            time.sleep(0.5)
-        raise TimeoutError(f"no result within {timeout}s; SuperLink log:\n{self.log_of('superlink')[-3000:]}")
+        superlink = self.procs["superlink"]
+        return wait_result(out, timeout, lambda: None if superlink.poll() is None else "the SuperLink exited",
+                           lambda: self.log_of("superlink")[-3000:])
 
     # --- stopping ------------------------------------------------------------------------------------
     def stop(self, name: str | None = None) -> None:
@@ -310,7 +357,60 @@ def prepare(cfg, work: Path) -> tuple[Path, list[Path]]:
     return spec_file, folders
 
 
+def prepare_own_files(cfg, work: Path) -> tuple[Path, dict[str, Path]]:
+    """In .venv, for a run on a user's own image folders (data.dataset=files, data.source=ROOT holding ROOT/<client>/
+    <label>/<image> and ROOT/fedpipe-data.yaml): give each client a site of its own, work/sites/<client>/files holding
+    only that client's folder and a copy of the manifest (each site then splits its files itself), and write the spec
+    (its data shape comes from the sites' census). Returns (spec file, {client: site data URL})."""
+    import shutil
+
+    from fedpipe.data.files import open_data, read_manifest
+    from fedpipe.data.files.manifest import MANIFEST_NAME
+    from fedpipe.federation.own_data import site_params
+    from fedpipe.federation.spec import FederationSpec
+
+    params = site_params(cfg)  # refuses what a federation cannot do before anything is copied
+    root = Path(str(cfg.data.source))
+    source, _ = open_data(str(root))
+    if read_manifest(source, source.list()).source.layout != "image_folders" or not root.is_dir():
+        raise ValueError(f"the try-out gives each client of {root} its own site folder: it needs a local folder of image "
+                         "folders (<client>/<label>/<image>); a table's sites each need their own file")
+    clients = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    urls = {}
+    for client in clients:
+        files = work / "sites" / client / "files"
+        if files.exists():
+            shutil.rmtree(files)
+        shutil.copytree(root / client, files / client)
+        shutil.copy2(root / MANIFEST_NAME, files / MANIFEST_NAME)
+        urls[client] = str(files)
+    spec = FederationSpec.for_sites(cfg, len(clients), params)
+    spec_file = work / "spec.json"
+    spec_file.write_text(spec.to_json())
+    return spec_file, urls
+
+
+def run_tryout(cfg, work: str | Path, env: str | Path = DEFAULT_ENV, timeout: float = 900) -> dict:
+    """`fedpipe site try`: the config run as a loopback federation, one site process per client, everything stopped
+    at the end. Own image folders (data.dataset=files): each site gets its client's folder and splits it itself;
+    a bundled dataset: the simulation's partition exported, one folder of tensors per client. Returns result.json."""
+    work = Path(work).resolve()
+    own = cfg.data.dataset == "files"
+    if own:
+        spec_file, urls = prepare_own_files(cfg, work)
+        sites = [(work / "sites" / client, {"data": url}) for client, url in urls.items()]
+    else:
+        spec_file, folders = prepare(cfg, work)
+        sites = [(folder, {}) for folder in folders]
+    fed = cfg.federation
+    with LoopbackFederation(work, env) as federation:
+        for folder, node in sites:
+            federation.start_site(folder, node_config=node)
+        return federation.run(spec_file, work / "out", max(timeout, fed.connect_timeout), fed.round_timeout, fed.rejoin_wait)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`python -m fedpipe.federation.tryout`, as `fedpipe site try` (kept for the Flower environment's tests)."""
     import argparse
 
     from fedpipe.run.config import load_config
@@ -320,17 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], help="config override, as fedpipe run --set")
     p.add_argument("--work", required=True, help="folder for certificates, sites, logs and the result")
     p.add_argument("--env", default=str(DEFAULT_ENV), help="the Flower environment (scripts/flower-env.sh)")
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--timeout", type=float, default=900)
     a = p.parse_args(argv)
-    cfg = load_config(a.config, a.set)
-    work = Path(a.work)
-    spec_file, folders = prepare(cfg, work)
-    with LoopbackFederation(work, a.env) as fed:
-        for f in folders:
-            fed.start_site(f)
-        result = fed.run(spec_file, work / "out", a.timeout)
-    print(json.dumps(result))
-    print((work / "out" / "rounds.jsonl").read_text())
+    print(json.dumps(run_tryout(load_config(a.config, a.set), a.work, a.env, a.timeout)))
     return 0
 
 

@@ -23,6 +23,7 @@ from fedpipe.config import (
     MAX_CLIENTS,
     EngineConfig,
     EvalConfig,
+    FederationConfig,
     PrivacyConfig,
     RegistryConfig,
     RunSection,
@@ -78,6 +79,7 @@ class RunConfig(Section):
     engine: EngineConfig = EngineConfig()
     registry: RegistryConfig = RegistryConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    federation: FederationConfig = FederationConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -133,11 +135,12 @@ class RunConfig(Section):
 
     def standardisation(self) -> Standardisation:
         """How raw inputs are standardised (data.standardisation resolved): declared constants when given; else fixed
-        when asked for, or under auto with privacy.enabled; else pooled."""
+        when asked for, or under auto with privacy.enabled or engine.mode=federation; else pooled."""
         d = self.data
         if d.input_mean is not None and d.input_std is not None:
             return Standardisation(DECLARED, d.input_mean, d.input_std)
-        if d.standardisation == "fixed" or (d.standardisation == "auto" and self.privacy.enabled):
+        # a federation's sites never pool their pixels, so auto is fixed there too (fedpipe.federation.own_data)
+        if d.standardisation == "fixed" or (d.standardisation == "auto" and (self.privacy.enabled or self.engine.mode == "federation")):
             return Standardisation(FIXED)
         return Standardisation(POOLED)
 
@@ -157,11 +160,13 @@ class RunConfig(Section):
         # the drop policy only picks the drop (the drop read is in data.source and data.snapshot); the decoding
         # budget only bounds memory
         d = self.model_dump(mode="json", exclude={"run": {"id", "store", "device", "threads"}, "telemetry": True, "engine": True, "eval": {"batch_size"},
-                                                 "registry": True, "data": {"drop_pattern", "drop_complete", "max_decoded_mb"}})
+                                                 "registry": True, "federation": True, "data": {"drop_pattern", "drop_complete", "max_decoded_mb"}})
         # fields added later count only when set, so a config that does not use them keeps its run id
         for section, key, unset in LATER_FIELDS:
             if d[section].get(key, unset) == unset:
                 d[section].pop(key, None)
+        if self.federation.secure_aggregation.enabled:  # quantised sums: other numbers than the plain aggregate's
+            d["secure_aggregation"] = self.federation.secure_aggregation.model_dump(mode="json")
         if not self.privacy.enabled:  # added later, and meaningless while off: a run without it keeps its id
             d.pop("privacy")
         # the standardisation as resolved: pooled (what every run did before the choice existed) keeps the id; fixed or

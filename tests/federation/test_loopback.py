@@ -48,7 +48,7 @@ OVERRIDES = [
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
 def loopback(tmp_path_factory, flower_env):
     """The simulation's final global model, and a loopback federation of the same config, run once for the module."""
     work = tmp_path_factory.mktemp("federation")

@@ -39,7 +39,7 @@ def _rounds(out):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
 def restarted(tmp_path_factory, flower_env):
     work = tmp_path_factory.mktemp("server-restart")
     cfg = load_config(None, [*OVERRIDES, f"run.store={work / 'store'}", "run.id=restart"])

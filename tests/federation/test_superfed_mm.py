@@ -35,7 +35,7 @@ OVERRIDES = ["method.name=superfed_mm", "method.start_fraction=0.25", "partition
 KILLED, KILL_ROUND = 1, 3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
 def superfed(tmp_path_factory, flower_env):
     work = tmp_path_factory.mktemp("superfed-mm")
     cfg = load_config(None, [*OVERRIDES, f"run.store={work / 'store'}", "run.id=superfed"])

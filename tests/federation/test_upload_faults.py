@@ -28,7 +28,7 @@ FAULTS = {1: "wrong-shape", 2: "nan", 3: "oversized"}
 REASONS = {1: "has shape", 2: "non-finite", 3: "bytes, more than"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
 def faulty(tmp_path_factory, flower_env):
     work = tmp_path_factory.mktemp("upload-faults")
     cfg = load_config(None, [*OVERRIDES, f"run.store={work / 'store'}", "run.id=faults"])

@@ -30,7 +30,7 @@ def _stratified_holdout(labels: np.ndarray, fraction: float, num_classes: int, r
     return np.sort(np.concatenate(picks)).astype(np.int64)
 
 
-def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
+def make_partition(bundle: DatasetBundle, cfg: Any, seed: int, share: bool = False) -> Partition:
     """Divide `bundle` over clients according to `cfg` (a PartitionConfig or its mapping).
 
     Global test set: `bundle.test` when present (recorded as None), else a stratified hold-out of
@@ -44,7 +44,11 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
 
     A bundle with sample identities (`bundle.sample_ids`: a user's own files) draws the global hold-out
     and each client's splits from them instead (`stable_split`): a sample's split is then a function of
-    the sample and the seed alone, the same in every data drop that holds it."""
+    the sample and the seed alone, the same in every data drop that holds it.
+
+    `share`: the bundle is one site's share of a federation's data (`fedpipe.federation.own_data`): the hold-out
+    and the splits are drawn sample by sample as above (so each sample lands where the simulation of all sites'
+    files puts it), and the site's part of the global test set may be empty."""
     cfg = parse_partition_config(cfg)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"the partition seed must be a non-negative integer, got {seed!r}.")
@@ -53,7 +57,7 @@ def make_partition(bundle: DatasetBundle, cfg: Any, seed: int) -> Partition:
     if labels.size == 0:
         raise DataError(f"dataset {bundle.name!r} has no training samples to partition.")
     stable = bundle.sample_ids is not None
-    holdout, pool = (_stable_holdout(bundle, cfg, seed) if stable and bundle.test is None
+    holdout, pool = (_stable_holdout(bundle, cfg, seed, share) if stable and bundle.test is None
                      else _global_test_and_pool(bundle, labels, cfg, seed))
     if cfg.scheme == "natural":  # the data's own clients (data.dataset=files), not a partitioner's draw
         local = natural_clients(bundle.clients, bundle.client_names, pool, cfg.min_client_size)
@@ -97,13 +101,13 @@ def _global_test_and_pool(bundle: DatasetBundle, labels: np.ndarray, cfg: Any, s
     return holdout, np.flatnonzero(mask)
 
 
-def _stable_holdout(bundle: DatasetBundle, cfg: Any, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _stable_holdout(bundle: DatasetBundle, cfg: Any, seed: int, share: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The global test hold-out drawn from the samples' identities: a sample is held out when its draw is
     below global_test_fraction (not stratified by class: stratifying would tie a sample's split to the
     other samples of its drop). Returns (hold-out, pool) as row indices."""
     held = uniform(bundle.sample_ids, seed, "holdout") < cfg.global_test_fraction
     holdout, pool = np.flatnonzero(held).astype(np.int64), np.flatnonzero(~held).astype(np.int64)
-    if holdout.size == 0 or pool.size == 0:
+    if (holdout.size == 0 and not share) or pool.size == 0:
         raise DataError(
             f"partition.global_test_fraction={cfg.global_test_fraction} of {held.size} samples gives a global test set "
             f"of {holdout.size} samples; choose a fraction that leaves both a test set and a client pool, or add data."

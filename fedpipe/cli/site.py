@@ -1,0 +1,123 @@
+"""`fedpipe site`: a site of a real federation (its own data, its own process): keygen, join, try."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fedpipe.cli.common import ConfigOpt, SetOpt, _guarded, _load, app
+from fedpipe.errors import ConfigError
+
+site_app = typer.Typer(
+    help="A site of a federation (engine.mode=federation): a Flower SuperNode running fedpipe's client side next to "
+         "the site's own data, which never leaves it. `keygen` makes the site's key pair (its public key is registered "
+         "at the SuperLink), `join` connects the site and trains whatever run the SuperLink sends, `try` runs a whole "
+         "federation on this machine. docs/federation.md says how the parts fit.",
+    no_args_is_help=True,
+)
+app.add_typer(site_app, name="site")
+
+FLOWER_ENV = Path(__file__).resolve().parents[2] / ".cache" / "flower-venv"
+FlowerEnvOpt = Annotated[Optional[Path], typer.Option("--flower-env", help="The Python environment holding Flower 1.42 "
+                                                      "(scripts/flower-env.sh builds .cache/flower-venv); default: that one, "
+                                                      "else the flower-supernode on PATH.")]
+
+
+def _flower_bin(env: Optional[Path], program: str) -> str:
+    """`program` from the Flower environment, or from PATH; a ConfigError saying how to get it."""
+    for candidate in ([env / "bin" / program] if env else [FLOWER_ENV / "bin" / program]):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which(program)
+    if found:
+        return found
+    raise ConfigError(f"{program} (Flower 1.42) was not found{f' in {env}/bin' if env else ''} or on PATH: build the Flower "
+                      "environment with scripts/flower-env.sh (flwr pins web libraries that fedpipe's own environment needs newer), "
+                      "or pass --flower-env")
+
+
+@site_app.command("keygen")
+@_guarded
+def keygen(name: Annotated[str, typer.Argument(help="The site's name (file names only; e.g. hospital-a).")],
+           out: Annotated[Path, typer.Option(help="Folder for NAME.key (private: stays at the site) and NAME.pub.")] = Path("."),
+           ):
+    """Make the site's authentication key pair (EC P-384, OpenSSH format, as Flower's SuperNode authentication takes).
+
+    Send NAME.pub to the federation's operator, who registers it with `flwr supernode register NAME.pub CONNECTION`;
+    only registered keys may join. Keep NAME.key at the site (mode 600)."""
+    from fedpipe.federation.certs import make_site_key
+
+    out.mkdir(parents=True, exist_ok=True)
+    private, public = make_site_key(out, name)
+    typer.echo(f"wrote {private} (private: keep it here) and {public}")
+    typer.echo(f"next: the operator runs `flwr supernode register {public.name} <connection>`; then `fedpipe site join "
+               f"--key {private} ...` here")
+
+
+@site_app.command("join")
+@_guarded
+def join(data: Annotated[str, typer.Option(help="This site's own data: a folder or s3://bucket/prefix with its fedpipe-data.yaml "
+                                                "(`fedpipe data init`), holding one client (this site).")],
+         superlink: Annotated[str, typer.Option(help="The SuperLink's host:port (its TLS port).")],
+         root_certificates: Annotated[Path, typer.Option(help="The CA certificate (PEM) the SuperLink's certificate is checked against.")],
+         key: Annotated[Path, typer.Option(help="This site's private key (`fedpipe site keygen`); its public key must be registered.")],
+         state: Annotated[Path, typer.Option(help="This site's folder: its prepared splits and the personal models it keeps "
+                                                  "across rounds, phases and runs (never sent).")],
+         opt_out: Annotated[bool, typer.Option("--opt-out", help="Train only this site's own models; upload nothing "
+                                               "(methods with opt-out clients, e.g. the mixture of experts).")] = False,
+         port: Annotated[int, typer.Option(help="This SuperNode's own Runtime API port on 127.0.0.1 (one per site on a machine).")] = 9094,
+         image_size: Annotated[Optional[int], typer.Option(help="Check the images at this size (the run's data.image_size).")] = None,
+         flower_env: FlowerEnvOpt = None):
+    """Join a federation as a site: check this site's data, then run a Flower SuperNode with fedpipe's client side.
+
+    Each run the SuperLink sends is trained here on this site's own files: the site splits them itself (by each
+    sample's identity, as the simulation of all sites' files would), answers the census with its label counts,
+    trains the rounds it is chosen for, keeps its personal models in --state, and sends only what the method uploads.
+    Stops with Ctrl-C; started again with the same key and --state, it rejoins with its state."""
+    from fedpipe.data.files import check_files
+    from fedpipe.federation.tryout import supernode_args
+
+    for path, what in ((root_certificates, "--root-certificates"), (key, "--key")):
+        if not path.is_file():
+            raise ConfigError(f"{what} {path} does not exist")
+    check = check_files(data, image_size)
+    check.problems.raise_if_errors(check.source)
+    if check.rows is not None and len(check.rows.client_names) != 1:
+        names = check.rows.client_names
+        raise ConfigError(f"{data} holds {len(names)} clients ({', '.join(names[:5])}): a site holds one client's data. "
+                          "Give each client its own site (its own folder or table).")
+    state.mkdir(parents=True, exist_ok=True)
+    node = {"site-dir": str(state.resolve()), "data": data if "://" in data else str(Path(data).resolve()), "opt-out": opt_out}
+    args = supernode_args(_flower_bin(flower_env, "flower-supernode"), superlink, root_certificates.resolve(), key.resolve(),
+                          node, port)
+    typer.echo(f"site {check.rows.client_names[0] if check.rows else '?'}: {check.rows.y.size if check.rows else 0} samples "
+               f"checked; joining {superlink}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
+    sys.stdout.flush()  # exec replaces this process: what it printed must be out first
+    os.execve(args[0], args, env)  # the site process becomes the SuperNode (signals, exit code and logs are its own)
+
+
+@site_app.command("try")
+@_guarded
+def try_out(config: ConfigOpt = None, set: SetOpt = None,
+            work: Annotated[Path, typer.Option(help="Folder for the certificates, the sites' folders, logs and the result.")] = Path("fedpipe-federation"),
+            timeout: Annotated[float, typer.Option(help="Seconds to wait for the whole run.")] = 900,
+            flower_env: FlowerEnvOpt = None):
+    """Run a config as a federation on this machine: a SuperLink and one site process per client, TLS and site keys
+    on, each site reading only its own folder; then stop everything it started.
+
+    With data.dataset=files (image folders, one per client) each site gets a copy of its client's folder and makes its
+    splits itself; with a bundled dataset the simulation's partition is exported, one folder of tensors per client.
+    The global model, rounds.jsonl, census.json and the sites' evaluation land in WORK/out."""
+    import json
+
+    from fedpipe.federation.tryout import run_tryout
+
+    cfg = _load(config, set)
+    result = run_tryout(cfg, work, flower_env or FLOWER_ENV, timeout)
+    typer.echo(json.dumps(result))

@@ -1,0 +1,97 @@
+"""A site's own splits and the census, without Flower: a site that reads only its client's folder makes exactly the
+simulation's splits of that client; the census refuses sites that do not make one federation; what a federation
+cannot do with a config is refused before anything starts."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from own_data import SITES, write_digit_folders
+
+from fedpipe.data.files.init import init_manifest, write_manifest
+from fedpipe.data.partition import make_partition
+from fedpipe.errors import ConfigError, DataError
+from fedpipe.federation.census import CensusError, take_census
+from fedpipe.federation.own_data import prepare_own, site_params
+from fedpipe.run.config import load_config
+from fedpipe.run.run import Run, federated_data
+
+FILES = ["data.dataset=files", "partition.scheme=natural", "engine.mode=federation", "data.source=/nowhere"]
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory):
+    root = write_digit_folders(tmp_path_factory.mktemp("pooled") / "all")
+    manifest, _ = init_manifest(str(root))
+    write_manifest(str(root), manifest)
+    return root
+
+
+def _site(pooled, tmp_path, name):
+    files = tmp_path / name / "files"
+    shutil.copytree(pooled / name, files / name)
+    shutil.copy(pooled / "fedpipe-data.yaml", files / "fedpipe-data.yaml")
+    return files
+
+
+def test_a_site_splits_its_own_files_as_the_simulation_splits_its_client(pooled, tmp_path):
+    cfg = load_config(None, [*FILES, f"data.source={pooled}", "run.seed=3"])
+    run = Run(cfg)
+    sim = federated_data(run, make_partition(run.bundle, cfg.partition, cfg.run.seed), torch.device("cpu"))
+    params = site_params(cfg)
+    assert params["standardisation"]["source"] == "fixed"  # auto is fixed in a federation: no site's pixels shape it
+    held = 0
+    for k, name in enumerate(sorted(SITES)):
+        splits, census = prepare_own(str(_site(pooled, tmp_path, name)), params, tmp_path / name, torch.device("cpu"))
+        assert census["name"] == name
+        for split in ("train", "val", "test"):
+            assert torch.equal(splits[split].x, getattr(sim.clients[k], split).x), (name, split)
+            assert torch.equal(splits[split].y, getattr(sim.clients[k], split).y), (name, split)
+        held += len(splits["holdout"])
+        again, _ = prepare_own(str(tmp_path / name / "files"), params, tmp_path / name, torch.device("cpu"))  # the cache
+        assert torch.equal(again["train"].x, splits["train"].x)
+    assert held == len(sim.global_test)  # the sites' hold-out shares are the simulation's global test set
+
+
+def test_a_site_with_two_clients_is_refused(pooled, tmp_path):
+    files = tmp_path / "two"
+    for name in SITES[:2]:
+        shutil.copytree(pooled / name, files / name)
+    shutil.copy(pooled / "fedpipe-data.yaml", files / "fedpipe-data.yaml")
+    cfg = load_config(None, [*FILES, f"data.source={pooled}"])
+    with pytest.raises(DataError, match="holds 2 clients"):
+        prepare_own(str(files), site_params(cfg), tmp_path / "state", torch.device("cpu"))
+
+
+def _answer(name, labels=("0", "1"), shape=(1, 8, 8)):
+    counts = {s: [1, 1] for s in ("train", "val", "test", "holdout")}
+    return {"client-id": -1, "opt-out": False, "census": {"name": name, "labels": list(labels), "input_shape": list(shape),
+                                                         "num_classes": len(labels), "counts": counts, "snapshot": {"digest": "x"}}}
+
+
+def test_census_numbers_sites_by_sorted_name_and_refuses_what_is_not_one_federation():
+    census = take_census([(11, _answer("site-b")), (12, _answer("site-a")), (13, _answer("site-c"))])
+    assert [(s.name, s.client_id, s.node_id) for s in census.sites] == [("site-a", 0, 12), ("site-b", 1, 11), ("site-c", 2, 13)]
+    assert census.input_shape == (1, 8, 8) and census.num_classes == 2
+    with pytest.raises(CensusError, match="same labels"):
+        take_census([(1, _answer("a")), (2, _answer("b", labels=("1", "0")))])
+    with pytest.raises(CensusError, match="shape"):
+        take_census([(1, _answer("a")), (2, _answer("b", shape=(1, 16, 16)))])
+    with pytest.raises(CensusError, match="same name"):
+        take_census([(1, _answer("a")), (2, _answer("a"))])
+    with pytest.raises(CensusError, match="one kind of site"):
+        take_census([(1, _answer("a")), (2, {"client-id": 0, "opt-out": False, "census": None})])
+    exported = take_census([(5, {"client-id": 1, "opt-out": False}), (6, {"client-id": 0, "opt-out": True})])
+    assert [(s.client_id, s.node_id, s.opt_out) for s in exported.sites] == [(0, 6, True), (1, 5, False)]
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["data.dataset=mnist5k", "partition.scheme=iid"], "data.dataset=files"),
+    ([*FILES, "partition.opt_out_fraction=0.2"], "opts out itself"),
+    ([*FILES, "data.standardisation=pooled"], "pooled needs every site"),
+])
+def test_what_a_federation_cannot_do_is_refused_by_name(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        site_params(load_config(None, ["engine.mode=federation", *sets]))

@@ -1,0 +1,131 @@
+"""Sites with their own files, as a user runs them: `fedpipe site keygen` and `fedpipe site join` at each site (each
+site process reads only its own folder of images and its own fedpipe-data.yaml, makes its splits itself, answers the
+census, and trains), and `fedpipe run` with engine.mode=federation submitting the run to the SuperLink; the result
+equals the simulation of all sites' files.
+
+Five hospitals (scikit-learn's 8x8 digits as PNG files, each hospital four of the ten digits: tests/own_data.py).
+The simulation reads the pooled folder (data.dataset=files, partition.scheme=natural); each site gets a copy of its
+hospital's folder and the manifest only. The SuperLink (TLS, SuperNode authentication) is the try-out's
+(`LoopbackFederation`); the site keys are registered with `flwr supernode register`.
+
+Why the two agree: a sample's hold-out and split are drawn from its identity (client and file name) and the seed
+alone (`fedpipe.data.partition.make`), so each site's own split is the simulation's split of its client (checked
+tensor for tensor in test_census_unit.py); the standardisation is fixed (no site's pixels shape it); the sites are
+numbered by their sorted names as the pooled folder's clients are. Tolerance: that of test_loopback.py (rtol 1e-5,
+atol 1e-6), for the same reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from own_data import SITES, write_digit_folders
+from runs import train_all
+
+from fedpipe.data.files.init import init_manifest, write_manifest
+from fedpipe.data.partition import make_partition
+from fedpipe.federation.tryout import LoopbackFederation, free_port
+from fedpipe.plots import census_heatmap
+from fedpipe.run.config import load_config
+from fedpipe.run.run import Run
+
+pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+
+OVERRIDES = ["method.name=fedavg", "data.dataset=files", "partition.scheme=natural", "data.standardisation=fixed",
+             "model.name=twonn", "train.rounds=3", "train.local_epochs=1", "train.batch_size=20", "train.lr=0.05",
+             "train.client_fraction=1.0", "engine.clients=sequential", "run.threads=1", "run.seed=0", "telemetry.progress=false"]
+
+
+def _fedpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedpipe.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
+def own_files(tmp_path_factory, flower_env):
+    work = tmp_path_factory.mktemp("own-files")
+    pooled = write_digit_folders(work / "pooled")
+    manifest, _ = init_manifest(str(pooled))
+    write_manifest(str(pooled), manifest)
+    sets = [*OVERRIDES, f"data.source={pooled}"]
+    sim_cfg = load_config(None, [*sets, f"run.store={work / 'store'}", "run.id=own-files"])
+    sim_run = Run(sim_cfg)
+    state = train_all(sim_run)
+    partition = make_partition(sim_run.bundle, sim_cfg.partition, sim_cfg.run.seed)
+    with LoopbackFederation(work / "fed", flower_env) as fed:
+        for name in SITES:  # each hospital: its own folder, its own key, its own process
+            files = work / "sites" / name / "files"
+            shutil.copytree(pooled / name, files / name)
+            shutil.copy(pooled / "fedpipe-data.yaml", files / "fedpipe-data.yaml")
+            made = _fedpipe("site", "keygen", name, "--out", str(work / "sites" / name / "key"))
+            assert made.returncode == 0, made.stdout + made.stderr
+            fed.register(work / "sites" / name / "key" / f"{name}.pub")
+            fed._spawn(name, [sys.executable, "-m", "fedpipe.cli", "site", "join", "--data", str(files),
+                              "--superlink", f"127.0.0.1:{fed.port}", "--root-certificates", str(fed.tls["ca_cert"]),
+                              "--key", str(work / "sites" / name / "key" / f"{name}.key"),
+                              "--state", str(work / "sites" / name / "state"), "--port", str(free_port())])
+        store = work / "fed-store"
+        done = _fedpipe("run", *(f"--set={s}" for s in [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
+                                                          f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.sites={len(SITES)}",
+                                                          f"run.store={store}", "run.id=federated"]), timeout=500)
+        logs = {name: fed.log_of(name) for name in SITES}
+    assert done.returncode == 0, done.stdout + done.stderr + fed.log_of("superlink")[-3000:]
+    out = store / "federated" / "federation"
+    return dict(work=work, stdout=done.stdout, logs=logs, out=out,
+                simulated={k: v.detach().cpu() for k, v in state.server.global_params.items()},
+                federated=safetensors.torch.load_file(str(out / "global.safetensors")), partition=partition, bundle=sim_run.bundle,
+                result=json.loads((out / "result.json").read_text()), census=json.loads((out / "census.json").read_text()),
+                evaluation=json.loads((out / "evaluation.json").read_text()), summary=json.loads((out / "summary.json").read_text()),
+                rounds=[json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()])
+
+
+def test_sites_with_their_own_files_train_the_simulations_model(own_files):
+    assert own_files["result"]["sites"] == len(SITES) and own_files["result"]["round"] == 3
+    assert [r["clients"] for r in own_files["rounds"]] == [len(SITES)] * 3
+    sim, fed = own_files["simulated"], own_files["federated"]
+    assert sim.keys() == fed.keys()
+    for name in sim:
+        torch.testing.assert_close(fed[name], sim[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_census_is_the_simulations_partition(own_files, tmp_path):
+    """The census the sites reported: their names in the pooled folder's client order, and per site the label counts
+    of its splits, equal to the simulation's partition of the pooled files; the heatmap is drawn from it."""
+    census, partition, bundle = own_files["census"], own_files["partition"], own_files["bundle"]
+    assert [s["name"] for s in census["sites"]] == list(bundle.client_names) == sorted(SITES)
+    assert [s["client_id"] for s in census["sites"]] == list(range(len(SITES)))
+    labels = bundle.train.y
+    for site, client in zip(census["sites"], partition.clients):
+        for split in ("train", "val", "test"):
+            expected = np.bincount(labels[getattr(client, split)], minlength=bundle.num_classes).tolist()
+            assert site["counts"][split] == expected, (site["name"], split)
+    held = np.sum([s["counts"]["holdout"] for s in census["sites"]], axis=0)
+    assert held.tolist() == np.bincount(labels[partition.global_test_indices], minlength=bundle.num_classes).tolist()
+    png = census_heatmap(census, tmp_path / "census.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_site_read_only_its_own_folder_and_learned(own_files):
+    """Each site's folder holds its client's images and the manifest only; its splits are prepared in its own state
+    folder; the global model scores above chance (1/10) on the sites' held-out shares, each site's own test score above
+    its chance (1/4); `fedpipe run` prints the sites by name and the census heatmap is drawn."""
+    sites = own_files["work"] / "sites"
+    for name in SITES:
+        files = sites / name / "files"
+        assert sorted(p.name for p in files.iterdir()) == ["fedpipe-data.yaml", name]
+        assert list((sites / name / "state" / "prepared").glob("*.safetensors")), name
+        assert "joining 127.0.0.1:" in own_files["logs"][name]  # `fedpipe site join` checked its data, then became the SuperNode
+    summary = own_files["summary"]
+    print(f"own files: global {summary['global_accuracy']:.3f}; per site "
+          f"{ {n: round(s['accuracy'], 3) for n, s in summary['per_site'].items()} }")
+    assert sorted(summary["per_site"]) == sorted(SITES) and summary["sites"] == len(SITES)
+    assert summary["global_accuracy"] > 0.3
+    assert all(s["accuracy"] > 0.3 for s in summary["per_site"].values())  # chance: 1/4 of a site's own four digits
+    assert "hospital-a, hospital-b" in own_files["stdout"] and "global model" in own_files["stdout"]
+    assert (own_files["out"] / "census.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
