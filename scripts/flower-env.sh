@@ -7,7 +7,8 @@
 # rest of fedpipe stays in .venv.
 #
 # What goes in: the CPU build of torch 2.13.0 (a local file; no CUDA), the few runtime libraries
-# that fedpipe's engine, algorithms and data loaders import, flwr==1.42.0 and pytest. fedpipe
+# that fedpipe's engine, algorithms and data loaders import (pillow and pyarrow: a site reads its own
+# image folders or tables; opacus and scipy: the privacy accountant at the server), flwr==1.42.0 and pytest. fedpipe
 # itself is not installed: a .pth file puts this checkout on sys.path (pyproject's explicit
 # package list does not name fedpipe.federation yet, so an editable install would miss it).
 #
@@ -42,6 +43,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
   "flwr==1.42.0" \
   "numpy>=1.26,<3" "pydantic>=2.7,<3" "pyyaml>=6" "safetensors>=0.4" "tqdm>=4.66" \
   "minio>=7.2" "tenacity>=8.2" \
+  "pillow>=10" "pyarrow>=15" "opacus==1.6.0" "scipy>=1.11" \
   "pytest>=8" "pytest-timeout>=2.3"
 # fedpipe from this checkout, without its dependencies (kfp, kserve, mlflow... are not needed at a site).
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -195,6 +195,14 @@ class Algorithm(ABC):
         """What a client receives at the start of a round (by default the global model)."""
         return server.global_params
 
+    def upload_layout(self, phase: Phase, download: Params) -> Params:
+        """What a client's upload holds in `phase` after receiving `download`: tensors whose names, shapes and
+        dtypes (not values) an upload must have. A federation's server checks every upload against it before
+        aggregating (`fedpipe.federation.transport.check_upload`). By default the download's layout (the method
+        uploads what it downloaded, trained); a method whose upload carries more or other tensors declares them here
+        (pFedMB: its branches and its alpha)."""
+        return download
+
     def aggregation(self, phase: Phase) -> Aggregation:
         """How `aggregate` combines this phase's uploads. By default the plain weighted mean
         (`WEIGHTED_MEAN`), and `NO_UPLOADS` for a phase that does not communicate. A method that

@@ -106,6 +106,9 @@ class FineTuned(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.inner.download(phase, server, client_id)
 
+    def upload_layout(self, phase: Phase, download: Params) -> Params:
+        return self.inner.upload_layout(phase, download)
+
     def aggregation(self, phase: Phase) -> Aggregation:
         """The wrapped method's rule in its phases (FedAvg-FT's federation: the weighted mean); the
         `finetune` phase sends nothing."""

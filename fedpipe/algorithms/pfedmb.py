@@ -239,6 +239,10 @@ class PFedMB(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.branches(server.global_params)
 
+    def upload_layout(self, phase: Phase, download: Params) -> Params:
+        """Its branches (the download's layout) and its alpha, one row per alpha row, one column per branch."""
+        return {**download, ALPHA: self.layout.uniform_alpha(next(iter(download.values())).device)}
+
     def aggregation(self, phase: Phase) -> Aggregation:
         """Custom even with `aggregation: plain` (Eq. 6): the uploads also carry each client's alpha,
         which the server must not keep (a plain weighted mean would average it into the global state)."""

@@ -42,7 +42,7 @@ class Census:
         """census.json: per site its id, name, opt-out flag and label counts per split (own files)."""
         return {"labels": list(self.labels), "input_shape": list(self.input_shape or ()), "num_classes": self.num_classes,
                 "sites": [{"client_id": s.client_id, "name": s.name, "node_id": s.node_id, "opt_out": s.opt_out,
-                           **({"counts": s.census["counts"], "snapshot": s.census["snapshot"]} if s.census else {})}
+                           **({"counts": s.census["counts"], "snapshot": s.census["snapshot"]} if s.census else {})}  # counts None: withheld (privacy)
                           for s in self.sites]}
 
 

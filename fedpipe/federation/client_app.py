@@ -38,6 +38,7 @@ from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
 from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
 from fedpipe.federation import audit
 from fedpipe.federation.faults import corrupt, injected_fault
+from fedpipe.federation.private import site_privacy
 from fedpipe.federation.sites import Site, state_digest
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, from_record, to_record
@@ -66,21 +67,26 @@ def identify(msg: Message, context: Context) -> Message:
     site = Site.from_node(context.node_config, DEVICE, spec)
     answer = {"client-id": site.client_id, "opt-out": site.opt_out}
     if site.census is not None:
-        answer["census"] = json.dumps(site.census)
+        census = site.census
+        if spec is not None and spec.privacy_cfg is not None:  # privacy: the label counts are not released at all
+            census = {**census, "counts": None}
+        answer["census"] = json.dumps(census)
     return Message(RecordDict({"site": ConfigRecord(answer)}), reply_to=msg)
 
 
 def _train_here(context: Context, spec: FederationSpec, phase_name: str, round_: int, lr: float,
-                download: dict[str, torch.Tensor]) -> tuple[Site, ClientOutcome, dict | None, str | None]:
+                download: dict[str, torch.Tensor], clip: float | None = None) -> tuple[Site, ClientOutcome, dict | None, str | None]:
     """This site's round with `ClientTrainer` (the simulation's client code): (site, outcome, state it started
     from, the test-only injected fault)."""
     torch.set_num_threads(spec.threads)
     phase = spec.phase(phase_name)
     site = _site(context, spec)
     algorithm, _ = spec.build(DEVICE)
-    trainer = ClientTrainer(algorithm, phase, site.data, spec.train_cfg, spec.engine_cfg, spec.seed)
+    # with privacy: clipped with the server's clip (and in local mode noised with this site's own secret) here
+    privacy = site_privacy(spec, phase, clip, site.folder)
+    trainer = ClientTrainer(algorithm, phase, site.data, spec.train_cfg, spec.engine_cfg, spec.seed, privacy=privacy)
     names = [p.name for p in spec.phases()]
-    state = site.load_state(phase.name, DEVICE, tuple(names[:names.index(phase.name)]))
+    state = site.load_state(phase.name, DEVICE, tuple(names[:names.index(phase.name)]), spec)
     fault = injected_fault(round_)
     if fault == "hang":
         print(f"fault injector: site {site.client_id} hangs in round {round_}", file=sys.stderr, flush=True)
@@ -98,7 +104,8 @@ def train(msg: Message, context: Context) -> Message:
     phase = spec.phase(str(cfg["phase"]))
     round_, lr = int(cfg["round"]), float(cfg["lr"])
     download = from_record(msg.content["download"], DEVICE)
-    site, outcome, state, fault = _train_here(context, spec, phase.name, round_, lr, download)
+    clip = float(cfg["privacy-clip"]) if "privacy-clip" in cfg else None
+    site, outcome, state, fault = _train_here(context, spec, phase.name, round_, lr, download, clip)
     reply: dict = {}
     # state-in: a digest of the personal state this round started from (0: none), so a test can tell a site
     # that rejoined with its state from one that started afresh; the state itself never leaves the site
@@ -106,13 +113,20 @@ def train(msg: Message, context: Context) -> Message:
     if outcome.error:
         reply["error"] = ConfigRecord({"message": outcome.error})
     else:
-        site.save_state(phase.name, outcome.new_state)  # stays here
+        site.save_state(phase.name, outcome.new_state, spec)  # stays here
         if outcome.upload is not None:
             upload = corrupt(outcome.upload, fault) if fault else outcome.upload
             reply["upload"] = to_record(upload)
             audit.record(site.folder, round_, "plain-upload", upload.values(), client=site.client_id)  # test-only, off unless set
         metrics.update({"loss": float(outcome.stats.loss), "samples": int(outcome.stats.samples),
                         "state-out": state_digest(outcome.new_state)})
+        if outcome.update_norm is not None:  # privacy: the norm before clipping, which the server's adaptive clip counts
+            metrics["update-norm"] = float(outcome.update_norm)
+    privacy = spec.privacy_cfg
+    if privacy is not None and privacy.mode == "local" and phase.communicates:
+        # local DP: the server is not trusted with anything but the noised update (its loss, sample count, norm and state
+        # digests would be releases no accountant counts); the server aggregates the noised updates unweighted (DP-FedAvg)
+        metrics = {"private": 1}
     reply["metrics"] = MetricRecord(metrics)
     return Message(RecordDict(reply), reply_to=msg)
 
@@ -162,7 +176,7 @@ def secure_train(msg: Message, context: Context) -> Message:
     weight = min(outcome.num_samples, int(secure.max_weight))  # a site with more samples counts as max_weight
     upload = corrupt(outcome.upload, fault) if fault else outcome.upload
     check_own_upload(who, download, upload, weight, secure)
-    site.save_state(str(cfg["phase"]), outcome.new_state)  # stays here
+    site.save_state(str(cfg["phase"]), outcome.new_state, spec)  # stays here
     audit.record(site.folder, round_, "plain-upload", upload.values(), client=site.client_id, weight=weight)  # test-only
     audit.keep(site.folder, f"upload-{round_}", upload)
     metrics = {"num-samples": outcome.num_samples, "state-in": state_digest(state), "loss": float(outcome.stats.loss),
@@ -183,15 +197,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     algorithm, _ = spec.build(DEVICE)
     server = ServerState(from_record(msg.content["download"], DEVICE))
     names = [p.name for p in spec.phases()]
-    state = site.load_state(names[-1], DEVICE, tuple(names[:-1]))
+    state = site.load_state(names[-1], DEVICE, tuple(names[:-1]), spec)
     states = {site.client_id: state} if state is not None else {}
     result = evaluate_personalized(algorithm, server, states, site.data, int(cfg.get("batch-size", 256)), 10)
     (c,) = result.clients
     metrics = {"accuracy": float(c.accuracy), "loss": float(c.test[c.chosen].loss), "chosen": float(c.candidates[c.chosen]),
                "global-accuracy": float(c.test[0].accuracy) if result.candidate_label else float(c.accuracy),
                "test-samples": len(site.data.clients[0].test), "has-state": int(state is not None)}
-    held = site.data.global_test
-    if site.census is not None and len(held):  # own files: the global model on this site's share of the global test set
-        scores = evaluate_model(algorithm, server.global_params, held, int(cfg.get("batch-size", 256)), 10)
+    held, glob = site.data.global_test, algorithm.global_model(server)  # None: the method has no global model (FedPer)
+    if site.census is not None and len(held) and glob is not None:  # own files: the global model on this site's share of the global test set
+        scores = evaluate_model(algorithm, glob, held, int(cfg.get("batch-size", 256)), 10)
         metrics.update({"holdout-accuracy": float(scores.accuracy), "holdout-samples": len(held)})
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

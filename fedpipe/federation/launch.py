@@ -87,7 +87,7 @@ def summarise(out: Path) -> dict:
         "bytes_up": sum(r["bytes_up"] for r in rounds), "bytes_down": sum(r["bytes_down"] for r in rounds),
         "per_site": sites, "folder": str(out),
     }
-    if census["sites"] and "counts" in census["sites"][0]:
+    if census["sites"] and census["sites"][0].get("counts"):  # none with privacy: the sites withhold their counts
         summary["census_heatmap"] = str(census_heatmap(census, out / "census.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -31,11 +31,13 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedpipe.algorithms.base import Algorithm, Phase, ServerState
 from fedpipe.engine.clients import ClientOutcome, ClientWork
+from fedpipe.engine.privacy import Privacy
 from fedpipe.engine.rounds import RoundResult, run_phase
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
 from fedpipe.federation import audit, resume
 from fedpipe.federation.census import Census, take_census
+from fedpipe.federation.private import server_privacy
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, record_bytes, to_record
 
@@ -106,12 +108,14 @@ class SiteRound:
     """A `RoundTrainer` (fedpipe.engine.rounds) whose clients train at their sites."""
 
     def __init__(self, grid: Grid, roster: Roster, spec: FederationSpec, phase: Phase, timeout: float, log_path: Path,
-                 rejoin_wait: float = 0.0):
+                 rejoin_wait: float = 0.0, algorithm: Algorithm | None = None):
         self.grid, self.roster, self.phase, self.timeout, self.log_path = grid, roster, phase, timeout, log_path
         self.rejoin_wait = rejoin_wait
+        self.algorithm = algorithm  # whose `upload_layout` each upload is checked against (None: the download's layout)
         self.spec_json = spec.to_json()
         self.rejected: list[dict] = []
         self.reports: dict[int, dict[int, dict]] = {}  # round -> client -> what its site reported (metrics)
+        self.privacy: Privacy | None = None  # the phase's Privacy at the server (`fedpipe.federation.private`), set by serve
 
     def online(self, nodes: set[int]) -> set[int]:
         """Which of `nodes` the SuperLink has online, waiting up to `rejoin_wait` seconds for the others (a site
@@ -125,7 +129,9 @@ class SiteRound:
             time.sleep(1.0)
 
     def __call__(self, round_: int, lr: float, works: list[ClientWork]) -> tuple[list[ClientOutcome], None]:
-        config = ConfigRecord({"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr)})
+        # with privacy the sites clip with the server's current clip (adaptive clipping moves it round by round)
+        clip = {"privacy-clip": float(self.privacy.clip)} if self.privacy is not None else {}
+        config = ConfigRecord({"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr), **clip})
         messages, by_node = [], {}
         for w in works:
             by_node[self.roster.by_id[w.client_id].node_id] = w
@@ -152,20 +158,28 @@ class SiteRound:
             return self._reject(cid, round_, 0, f"SiteError: {site}: {reply.error.reason}")
         content = reply.content
         metrics = content["metrics"]
-        samples = int(metrics["num-samples"])
+        samples = int(metrics.get("num-samples", 0))  # local DP: a site releases nothing but its noised update
         self.reports.setdefault(round_, {})[cid] = {k: metrics[k] for k in ("state-in", "state-out") if k in metrics}
         if "error" in content:
             return self._reject(cid, round_, samples, f"ClientFailed: {site}: {content['error']['message']}")
         upload, sent = None, 0
         if "upload" in content:
-            try:  # FedAvg uploads the global model's layout: the download is the expected shape of the upload
-                upload = check_upload(site, work.download, content["upload"])
+            try:  # the method's declared upload (`Algorithm.upload_layout`; by default the download's layout)
+                upload = check_upload(site, self.expected_upload(work), content["upload"])
             except UploadRejected as e:
                 return self._reject(cid, round_, samples, f"UploadRejected: {e}")
             audit.record(self.log_path, round_, "check_upload", upload.values(), client=cid)  # test-only, off unless set
             sent = record_bytes(content["upload"])
-        stats = ClientStats(float(metrics["loss"]), int(metrics["samples"]))
-        return ClientOutcome(cid, samples, upload, None, stats, sent)
+        stats = ClientStats(float(metrics.get("loss", 0.0)), int(metrics.get("samples", 0)))
+        norm = float(metrics["update-norm"]) if "update-norm" in metrics else None  # privacy: the norm before clipping
+        return ClientOutcome(cid, samples, upload, None, stats, sent, update_norm=norm)
+
+    def expected_upload(self, work: ClientWork) -> dict[str, torch.Tensor]:
+        """The layout `work`'s upload must have: the method's own declaration (`Algorithm.upload_layout`)."""
+        layout = work.download if self.algorithm is None else self.algorithm.upload_layout(self.phase, work.download)
+        if self.privacy is not None:  # a private upload is the clipped update, float64 (`Privacy.privatize`)
+            layout = {k: t.to(torch.float64) for k, t in layout.items()}
+        return layout
 
     def _reject(self, cid: int, round_: int, samples: int, error: str) -> ClientOutcome:
         log.warning("Round %d: %s; the round goes on without it.", round_, error)
@@ -209,6 +223,9 @@ class RoundLog:
                 "bytes_down": result.bytes_downloaded, "seconds": result.seconds,
                 "rejected": [r for r in self.trainer.rejected if r["round"] == result.round],
                 "reported": {str(c): m for c, m in sorted(self.trainer.reports.get(result.round, {}).items())}}
+        if state.privacy is not None:  # the accountant's ledger after this round (the server's; the sites release nothing else)
+            line["privacy"] = {"epsilon": result.extra.get("epsilon", state.privacy.epsilon()), "delta": state.privacy.delta,
+                               "clip": result.extra.get("privacy_clip")}
         secure = getattr(self.trainer, "secure", {}).get(result.round)
         if secure is not None:  # SecAgg+: how many masked vectors were summed, and the bytes of its four stages
             line["secure_aggregation"] = secure
@@ -274,10 +291,14 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     if state.round:
         log.info("fedpipe federation: resuming after round %d (phase %s) from %s", state.round, state.phase, out / resume.CHECKPOINT)
     for phase in spec.phases():
-        trainer = SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait)
+        trainer = SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait, algorithm)
         if secure:
             trainer = secagg.SecureSiteRound(trainer, spec)
-        state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)])
+        eligible = sum(1 for e in roster.clients if not (phase.communicates and e.opt_out))
+        privacy = server_privacy(spec, phase, eligible, out)  # None without privacy (fedpipe.federation.private)
+        trainer.privacy = privacy
+        state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)],
+                          privacy)
     save_global(out / "global.safetensors", state.server.global_params)
     scores = evaluate_at_sites(grid, roster, spec, state.server.global_params, timeout)
     (out / "evaluation.json").write_text(json.dumps({str(c): s for c, s in sorted(scores.items())}))

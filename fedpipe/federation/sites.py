@@ -4,7 +4,8 @@ Layout of a site folder (what `export_sites` writes from a simulation's partitio
 a site's ClientApp reads):
     site.json              {"client_id": k, "opt_out": false}
     data.safetensors       train_x, train_y, val_x, val_y, test_x, test_y (the client's tensors, as prepared)
-    state/<phase>.safetensors   the personal state the method keeps at the site between rounds (written by the site)
+    state/<phase>.safetensors   the personal state the method keeps at the site between rounds (written by the site;
+                           its metadata names the run it belongs to, so another run's state is never read as this one's)
 
 The try-out's exported splits are the simulation's own (`fedpipe.data.federated.prepare_data` of the run's
 partition, standardised as the run does), so a federation can be compared with the simulation bit for bit.
@@ -119,26 +120,35 @@ class Site:
     def _state_path(self, phase: str) -> Path:
         return self.folder / STATE_DIR / f"{phase}.safetensors"
 
-    def load_state(self, phase: str, device: torch.device, earlier: tuple[str, ...] = ()) -> dict[str, torch.Tensor] | None:
+    def load_state(self, phase: str, device: torch.device, earlier: tuple[str, ...] = (), spec=None) -> dict[str, torch.Tensor] | None:
         """This phase's state, else the latest earlier phase's (`earlier`, in phase order): a client's state goes on
-        from phase to phase, as `PhaseState.clients` does in the simulation."""
+        from phase to phase, as `PhaseState.clients` does in the simulation. With `spec`, only a state written for the
+        run of that spec counts (its restart included): another method's or run's state under the same phase name is
+        none of this run's (it is overwritten by this run's first save)."""
         for name in (phase, *reversed(earlier)):
             path = self._state_path(name)
-            if path.exists():
+            if path.exists() and (spec is None or self._state_run(path) == self._run_key(spec)):
                 return safetensors.torch.load_file(str(path), device=str(device))
         return None
+
+    @staticmethod
+    def _state_run(path: Path) -> str | None:
+        with safetensors.safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("run")
 
     def state_files(self) -> list[Path]:
         folder = self.folder / STATE_DIR
         return sorted(folder.glob("*.safetensors")) if folder.exists() else []
 
-    def save_state(self, phase: str, state: dict[str, torch.Tensor] | None) -> None:
+    def save_state(self, phase: str, state: dict[str, torch.Tensor] | None, spec=None) -> None:
+        """Keep `state` as this phase's (with `spec`: marked as the state of that spec's run, see `load_state`)."""
         if state is None:
             return
         path = self._state_path(phase)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
+        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
+                                    metadata={"run": self._run_key(spec)} if spec is not None else None)
         tmp.replace(path)  # atomic: a site killed mid-write keeps its previous state
 
 

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from fedpipe.algorithms import Algorithm, MethodConfig, build_algorithm, phases_of
 from fedpipe.algorithms.base import MethodParams, Phase
-from fedpipe.config import EngineConfig, FederationConfig, TrainConfig
+from fedpipe.config import EngineConfig, FederationConfig, PrivacyConfig, TrainConfig
 from fedpipe.errors import ConfigError
 from fedpipe.federation.support import FEDERATED, NOT_YET, secure_refusal
 from fedpipe.nn.networks import build_model
@@ -27,17 +27,31 @@ SUPPORTED = tuple(FEDERATED)
 
 
 def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure_aggregation: bool = False) -> str | None:
-    """Why `method` cannot run federated yet (with `secure_aggregation`: under SecAgg+), in one line; None when it can."""
-    if privacy:
-        return "privacy.enabled is not federated yet: the clipped (and in local mode noised) update would need the site-side Privacy object"
-    if finetune_epochs:
-        return "method.finetune_epochs > 0 is not federated yet: the finetune phase's personal models would need a site-side evaluation step"
+    """Why `method` cannot run federated yet (with `secure_aggregation`: under SecAgg+), in one line; None when it can.
+    A `finetune` phase (`finetune_epochs` > 0) runs at the sites like any phase: each site fine-tunes, keeps the result
+    in its own store and evaluates it there (`client_app.evaluate`); only SecAgg+ rounds, which need an upload, refuse it."""
+    if privacy and secure_aggregation:
+        return ("privacy.enabled with federation.secure_aggregation is not federated yet: the server would need the sum of the "
+                "clipped updates, and SecAgg+ hands it the weighted mean; use one of them")
+    if finetune_epochs and secure_aggregation:
+        return ("method.finetune_epochs > 0 is not available with federation.secure_aggregation yet: its finetune phase uploads "
+                "nothing, and a SecAgg+ round needs every site's masked upload")
     if method not in SUPPORTED:
         return (f"method {method!r} is not federated yet: {NOT_YET.get(method, 'not wired to the SuperLink')} "
                 f"(federated today: {', '.join(SUPPORTED)})")
     if secure_aggregation:
         return secure_refusal(method)
     return None
+
+
+def _effective_privacy(cfg, num_sites: int) -> dict:
+    """The run's privacy section as it applies it (in .venv: `fedpipe.run.privacy.effective`, with the noise multiplier
+    calibrated to target_epsilon over the sites), dumped; {} when privacy is off."""
+    if not cfg.privacy.enabled:
+        return {}
+    from fedpipe.run.privacy import effective
+
+    return effective(cfg, num_sites).model_dump(mode="json")
 
 
 @dataclass
@@ -54,6 +68,8 @@ class FederationSpec:
     federation: dict = field(default_factory=dict)  # FederationConfig, dumped (timeouts, secure aggregation)
     # own_data.site_params: each site splits its own files with these; empty: sites hold exported splits (try-out)
     site_data: dict = field(default_factory=dict)
+    # the privacy section as the run applies it (`fedpipe.run.privacy.effective`: noise calibrated); {} when off
+    privacy: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     # --- (de)serialisation ---------------------------------------------------------------------
@@ -76,7 +92,8 @@ class FederationSpec:
             raise ConfigError(why)
         return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
                    cfg.run.seed, cfg.model_name(tuple(input_shape)), list(input_shape), num_classes, num_sites,
-                   threads=cfg.run.threads or 1, federation=cfg.federation.model_dump(mode="json"))
+                   threads=cfg.run.threads or 1, federation=cfg.federation.model_dump(mode="json"),
+                   privacy=_effective_privacy(cfg, num_sites))
 
     @classmethod
     def for_sites(cls, cfg, num_sites: int, site_data: dict) -> FederationSpec:
@@ -87,7 +104,7 @@ class FederationSpec:
             raise ConfigError(why)
         return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
                    cfg.run.seed, cfg.model.name, [], 0, num_sites, threads=cfg.run.threads or 1,
-                   federation=cfg.federation.model_dump(mode="json"), site_data=site_data)
+                   federation=cfg.federation.model_dump(mode="json"), site_data=site_data, privacy=_effective_privacy(cfg, num_sites))
 
     def with_data(self, input_shape: tuple[int, ...], num_classes: int) -> FederationSpec:
         """This spec with the data's shape and classes as the census found them (model.name=auto resolved for them)."""
@@ -106,6 +123,10 @@ class FederationSpec:
     @property
     def train_cfg(self) -> TrainConfig:
         return TrainConfig.model_validate(self.train)
+
+    @property
+    def privacy_cfg(self) -> PrivacyConfig | None:
+        return PrivacyConfig.model_validate(self.privacy) if self.privacy else None
 
     @property
     def federation_cfg(self) -> FederationConfig:

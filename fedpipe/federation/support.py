@@ -6,34 +6,34 @@ installed) can print it. `fedpipe.federation.spec.refusal` refuses a method from
 
 from __future__ import annotations
 
-#: The methods wired to the SuperLink: one download and one upload per round in the download's layout,
-#: personal state (if any) kept in the site's own store.
+#: The methods wired to the SuperLink: one download and one upload per round (the upload in the method's declared
+#: layout, `Algorithm.upload_layout`, which the server checks), personal state (if any) kept in the site's own store.
 FEDERATED: dict[str, str] = {
     "fedavg": "every phase; the global model equals the simulation's (tests/federation/test_loopback.py)",
+    "fedprox": "as FedAvg: the global model down and up; the proximal term is the site's (tests/federation/test_methods.py)",
     "superfed_mm": "both phases; each site keeps its local model in its own folder (tests/federation/test_superfed_mm.py)",
+    "superfed_lm": "as SuPerFed-MM (Layer Mixing draws its lam per layer at the site)",
+    "ditto": "the global model down and up; each site keeps its personal model in its own folder (tests/federation/test_methods.py)",
+    "apfl": "the global model down and up; each site keeps its local model and alpha in its own folder",
+    "pfedme": "the global model down, the local model w_i up; each site keeps its personalized theta_i in its own folder",
+    "fedper": "only the shared base layers travel, both ways; each site keeps its personalization layers",
+    "lgfedavg": "only the global top layers travel, both ways; each site keeps its local representation layers "
+                "(tests/federation/test_methods.py)",
+    "pfedmb": "the branches down, the branches and its alpha up (the server uses the alpha for that round's "
+              "aggregation only); each site keeps its alpha, then fine-tunes at the site (tests/federation/test_methods.py)",
+    "fedavg_ft": "FedAvg, then each site fine-tunes the global model and keeps and evaluates it in its own folder",
+    "fedprox_ft": "FedProx, then each site fine-tunes the global model and keeps and evaluates it in its own folder",
 }
-
-_SAME_LAYOUT = ("one download and one upload, but its upload check and personal store are not wired and tested yet "
-                "(the next step: it travels as FedAvg does)")
 
 #: Why a method is refused federated today, in one line.
 NOT_YET: dict[str, str] = {
-    "fedprox": _SAME_LAYOUT,
-    "superfed_lm": _SAME_LAYOUT,
-    "ditto": _SAME_LAYOUT,
-    "apfl": _SAME_LAYOUT,
-    "pfedme": _SAME_LAYOUT,
-    "fedavg_ft": "its finetune phase's personal models need a site-side evaluation step after fine-tuning",
-    "fedprox_ft": "its finetune phase's personal models need a site-side evaluation step after fine-tuning",
-    "local": "nothing crosses the network: run it at each site on its own (no federation needed)",
-    "fedper": "it uploads only the shared base layers: the upload check needs the method's upload layout, not the download's",
-    "lgfedavg": "it uploads only the global top layers: the upload check needs the method's upload layout, not the download's",
-    "pfedmb": "it uploads its branches and alpha: the upload check needs the method's upload layout, not the download's",
+    "local": "nothing crosses the network: each site trains alone, so a SuperLink adds only round trips "
+             "(run `local` on each site's data instead)",
     "fedmn": "its selective upload (the modules its route used) varies per site: the check needs a per-site upload layout",
     "ifca": "each site downloads all k cluster models and uploads one: more than one download per round",
     "fedfomo": "each site downloads other clients' models: client-to-client traffic through the server is not wired",
     "fedamp": "the server keeps a model per client (server-side personal state), which a federation must not hold unasked",
-    "fedmoe": "opt-out sites train local specialists and a gate and upload nothing: the opt-out path is not wired",
+    "fedmoe": "opt-out sites train local specialists and a gate and upload nothing: the opt-out path is not wired and tested yet",
 }
 
 

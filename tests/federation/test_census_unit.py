@@ -95,3 +95,23 @@ def test_census_numbers_sites_by_sorted_name_and_refuses_what_is_not_one_federat
 def test_what_a_federation_cannot_do_is_refused_by_name(sets, match):
     with pytest.raises(ConfigError, match=match):
         site_params(load_config(None, ["engine.mode=federation", *sets]))
+
+
+def test_secrets_stay_where_they_are_drawn(tmp_path):
+    """Without seeded noise the server keys its draws (sampling, central noise) by a secret in its own folder and each
+    site its local noise by a secret in the site's folder: neither can reproduce the other's noise."""
+    from fedpipe.federation.private import server_privacy, site_privacy
+    from fedpipe.federation.spec import FederationSpec
+
+    cfg = load_config(None, ["method.name=fedavg", "privacy.enabled=true", "privacy.mode=local", "partition.num_clients=4"])
+    spec = FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
+    phase = spec.phases()[0]
+    server = server_privacy(spec, phase, 4, tmp_path / "server")
+    site_a = site_privacy(spec, phase, 1.0, tmp_path / "site-a")
+    site_b = site_privacy(spec, phase, 1.0, tmp_path / "site-b")
+    secrets = {server.secret, site_a.secret, site_b.secret}
+    assert len(secrets) == 3 and all(len(s) == 32 for s in secrets)
+    assert (tmp_path / "site-a" / "privacy-secret").read_bytes() == site_a.secret  # kept: a rerun draws the same
+    assert site_privacy(spec, phase, 1.0, tmp_path / "site-a").secret == site_a.secret
+    with pytest.raises(ValueError, match="privacy-clip"):
+        site_privacy(spec, phase, None, tmp_path / "site-a")

@@ -1,0 +1,74 @@
+"""Differential privacy in a federation: the `privacy` section's two modes, split between the server and the sites.
+
+The mechanism is the engine's (`fedpipe.engine.privacy.Privacy`, DP-FedAvg of McMahan et al. 2018 with the adaptive
+clip of Andrew et al. 2021), used on both sides exactly as the simulation uses it:
+
+- the server (`server_privacy`) samples each round's sites by Poisson sampling, keeps the accountant's ledger, adapts
+  the clip, and in central mode adds the Gaussian noise to the sum of the sites' clipped updates
+  (`fedpipe.engine.rounds.run_round`'s private path); its draws are keyed by its own secret, `privacy-secret` in the
+  ServerApp's out folder (32 bytes from os.urandom, written before the first private round, so a resumed round repeats
+  its release), as `Run.noise_secret` keys the simulation's;
+- each site (`site_privacy`) clips its own update with the clip the server sends (`privacy-clip` in the round's
+  config) and, in local mode, adds its own noise before anything leaves it (`Privacy.privatize`), keyed by the site's
+  own secret (`privacy-secret` in its folder, never sent): the server cannot subtract it. The site reports its
+  update's norm before clipping (`update-norm`), which adaptive clipping counts, as the simulation's server does.
+
+With `privacy.seeded_noise` every draw is keyed by the seed instead (tests and reproductions only: the noise is then
+known to anyone with the config), and a federation then releases exactly what the simulation releases.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fedpipe.algorithms.base import Phase
+from fedpipe.engine.privacy import Privacy
+
+SECRET = "privacy-secret"
+
+
+def secret_in(folder: str | Path) -> bytes:
+    """The 32-byte noise secret kept in `folder`, made (atomically) on first use."""
+    path = Path(folder) / SECRET
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(os.urandom(32))
+        tmp.chmod(0o600)
+        tmp.replace(path)
+    data = path.read_bytes()
+    if len(data) != 32:
+        raise ValueError(f"{path} holds {len(data)} bytes, not a 32-byte noise secret: remove it only if no private round ran")
+    return data
+
+
+def sample_rate(spec, phase: Phase) -> float:
+    """q of a communicating phase: train.client_fraction when it samples clients (Poisson), else 1 (as
+    `fedpipe.run.privacy.sample_rate` computes it for the simulation)."""
+    return spec.train_cfg.client_fraction if phase.sample_clients else 1.0
+
+
+def server_privacy(spec, phase: Phase, eligible: int, out: str | Path) -> Privacy | None:
+    """The server's Privacy for `phase` (None without privacy or for a phase that sends nothing); `eligible`: the
+    sites that may join its rounds (W)."""
+    cfg = spec.privacy_cfg
+    if cfg is None or not phase.communicates:
+        return None
+    if eligible < 1:
+        raise ValueError(f"no site can take part in phase {phase.name!r}: every site opted out")
+    return Privacy(cfg, spec.seed, sample_rate(spec, phase), eligible, None if cfg.seeded_noise else secret_in(out))
+
+
+def site_privacy(spec, phase: Phase, clip: float | None, folder: str | Path) -> Privacy | None:
+    """A site's Privacy for its round of `phase`: it clips with the server's `clip` and, in local mode, noises with its
+    own secret. q and W only size the server's count noise; the site's Privacy takes them as 1."""
+    cfg = spec.privacy_cfg
+    if cfg is None or not phase.communicates:
+        return None
+    if clip is None:
+        raise ValueError("a private round's config carries the server's clip (privacy-clip); this one did not")
+    made = Privacy(cfg.model_copy(update={"adaptive_clip": False}), spec.seed, 1.0, 1,
+                   None if cfg.seeded_noise else secret_in(folder))
+    made.clip = float(clip)
+    return made

@@ -1,0 +1,79 @@
+"""Differential privacy in a federation, both modes: the sites clip (and in local mode noise) their own updates, the
+server samples, accounts, adapts the clip and (central mode) adds its noise, with the engine's `Privacy`, as the
+simulation does (fedpipe/federation/private.py).
+
+One loopback federation (SuperLink + 4 site processes, TLS and site keys on), two runs on it: FedAvg under
+privacy.mode=central with adaptive clipping, and under privacy.mode=local, each 2 rounds with Poisson sampling at
+q = 0.75 and privacy.seeded_noise (every draw keyed by the seed: the only way two processes can draw the same noise,
+so that the federation can be compared with the simulation; a real run keys the server's draws by its own secret and
+each site's local noise by the site's own: test_census_unit.py). The global model must
+equal the simulation's within the loopback tolerance (rtol 1e-5, atol 1e-6: test_loopback.py), and so must the
+accountant's epsilon after each round.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+from runs import train_all
+
+from fedpipe.federation.tryout import LoopbackFederation, prepare
+from fedpipe.run.config import load_config
+from fedpipe.run.run import Run
+
+pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+
+BASE = ["method.name=fedavg", "partition.scheme=pathological", "partition.num_clients=4", "model.name=twonn", "train.rounds=2",
+        "train.local_epochs=1", "train.batch_size=20", "train.client_fraction=0.75", "train.min_clients=1",
+        "engine.clients=sequential", "run.threads=1", "run.seed=0", "telemetry.progress=false",
+        "privacy.enabled=true", "privacy.clip=1.0", "privacy.noise_multiplier=0.3", "privacy.seeded_noise=true"]
+MODES = {"central": ["privacy.mode=central", "privacy.adaptive_clip=true", "privacy.clip_count_stddev=1.0"],
+         "local": ["privacy.mode=local"]}
+
+
+@pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
+def private_runs(tmp_path_factory, flower_env):
+    work = tmp_path_factory.mktemp("private")
+    runs = {}
+    cfgs = {mode: load_config(None, [*BASE, *extra, f"run.store={work / 'store'}", f"run.id=private-{mode}"]) for mode, extra in MODES.items()}
+    spec_files = {}
+    for mode, cfg in cfgs.items():
+        spec_files[mode], folders = prepare(cfg, work / mode)  # the same partition for both modes
+    with LoopbackFederation(work / "fed", flower_env) as fed:
+        for folder in folders:
+            fed.start_site(folder)
+        for mode in cfgs:
+            out = work / "fed" / f"out-{mode}"
+            fed.run(spec_files[mode], out, timeout=400)
+            runs[mode] = {"out": out, "federated": safetensors.torch.load_file(str(out / "global.safetensors")),
+                          "rounds": [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]}
+    for mode, cfg in cfgs.items():
+        run = Run(cfg)
+        state = train_all(run)
+        runs[mode]["simulated"] = {k: v.detach().cpu() for k, v in state.server.global_params.items()}
+        runs[mode]["sim_rounds"] = [json.loads(line) for line in run.store.get(run.layout.rounds("federation")).decode().splitlines()]
+    return dict(runs=runs, folders=folders)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_private_federation_equals_the_private_simulation(private_runs, mode):
+    r = private_runs["runs"][mode]
+    sim, fed = r["simulated"], r["federated"]
+    for name in sim:
+        torch.testing.assert_close(fed[name], sim[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{mode} {name}: {m}")
+    fed_eps = [line["privacy"]["epsilon"] for line in r["rounds"]]
+    sim_eps = [line["extra"]["epsilon"] for line in r["sim_rounds"]]
+    print(f"{mode}: epsilon per round federation {fed_eps}, simulation {sim_eps}")
+    assert fed_eps == pytest.approx(sim_eps, rel=1e-9) and fed_eps[-1] > fed_eps[0] > 0
+
+
+def test_local_mode_sites_release_only_their_noised_update(private_runs):
+    """In local mode the server is not trusted: the sites' replies carry no loss, sample count, update norm or state
+    digest (the round lines' `reported` is empty and their loss 0); in central mode they report them to the server."""
+    local, central = private_runs["runs"]["local"]["rounds"], private_runs["runs"]["central"]["rounds"]
+    assert all(line["reported"] == {} or all(not m for m in line["reported"].values()) for line in local)
+    assert all(line["loss"] == 0 for line in local) and all(line["loss"] > 0 for line in central)
+    assert central[-1]["privacy"]["clip"] != 1.0  # adaptive clipping moved the clip, from the norms the sites reported
