@@ -121,3 +121,36 @@ def try_out(config: ConfigOpt = None, set: SetOpt = None,
     cfg = _load(config, set)
     result = run_tryout(cfg, work, flower_env or FLOWER_ENV, timeout)
     typer.echo(json.dumps(result))
+
+
+@site_app.command("serve")
+@_guarded
+def serve(state: Annotated[Path, typer.Option(help="This site's folder (`fedpipe site join --state`).")],
+          host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface, as in a pod).")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(min=1, max=65535, help="HTTP port.")] = 8080,
+          max_request_bytes: Annotated[int, typer.Option(min=1024, help="A request body over this is answered 413.")] = 16 * 2**20,
+          max_batch: Annotated[int, typer.Option(min=1, max=65536, help="Rows per request at most.")] = 1024,
+          trust_unsigned: Annotated[bool, typer.Option("--trust-unsigned", help="Serve the site's line without signatures "
+                                                       "(FEDPIPE_SIGNING_KEY unset): only if you trust everyone who can write --state.")] = False,
+          register_only: Annotated[bool, typer.Option("--register-only", help="Export and register the models, then stop (no server).")] = False):
+    """Serve this site's own models: its personalized model from the latest federated run it took part in (and the
+    federation's global model), exported here and registered in a model line in --state/models/NAME, with the predictor
+    `fedpipe models serve` runs (KServe's model server, open inference protocol v2 and v1). The personalized model never
+    leaves the site. Ask for it with the client named as the site: {"parameters": {"client": "hospital-a"}, ...}."""
+    from fedpipe.models.site_line import register_site_models
+
+    line, record = register_site_models(state)
+    typer.echo(f"site {record.clients[0]}: its models of run {record.run_id} are version {record.version} of {line.store.url(line.name)}",
+               err=True)
+    if register_only:
+        return
+    from fedpipe.errors import FedpipeError
+    from fedpipe.serving.predictor import LinePredictor, ServeOptions
+
+    predictor = LinePredictor(line, None, ServeOptions(max_batch=max_batch, trust_unsigned=trust_unsigned))
+    try:
+        from fedpipe.serving.kserve_model import serve as kserve
+    except ImportError as e:
+        raise FedpipeError(f"Serving needs the kserve package ({e}): pip install 'fedpipe[serve]'.") from None
+    typer.echo(f"serving site {line.name} as /v2/models/{line.name}/infer on http://{host}:{port}", err=True)
+    kserve(predictor, line.name, host, port, max_request_bytes)

@@ -39,7 +39,7 @@ from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
 from fedpipe.federation import audit
 from fedpipe.federation.faults import corrupt, injected_fault
 from fedpipe.federation.private import site_privacy
-from fedpipe.federation.sites import Site, state_digest
+from fedpipe.federation.sites import Site, keep_for_serving, state_digest
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, from_record, to_record
 
@@ -208,4 +208,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     if site.census is not None and len(held) and glob is not None:  # own files: the global model on this site's share of the global test set
         scores = evaluate_model(algorithm, glob, held, int(cfg.get("batch-size", 256)), 10)
         metrics.update({"holdout-accuracy": float(scores.accuracy), "holdout-samples": len(held)})
+    if site.census is not None:  # own files: keep what serving this site's own models needs (`fedpipe site serve`)
+        keep_for_serving(site.folder, spec.to_json(), site.client_id, site.census["name"], int(c.chosen), float(c.candidates[c.chosen]),
+                         float(c.accuracy), site.census.get("labels"), site.census.get("snapshot"), server.global_params)
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

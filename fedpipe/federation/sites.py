@@ -25,6 +25,8 @@ import torch
 from fedpipe.data.federated import ClientData, FederatedData, Split
 
 SITE_FILE, DATA_FILE, STATE_DIR = "site.json", "data.safetensors", "state"
+#: what a site keeps of its latest finished run for serving its own models (`fedpipe.models.site_line`)
+SERVED, LATEST, GLOBAL = "served", "latest.json", "global.safetensors"
 
 
 def site_name(client_id: int) -> str:
@@ -162,3 +164,19 @@ def state_digest(state: dict[str, torch.Tensor] | None) -> int:
         h.update(k.encode())
         h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
     return int(h.hexdigest()[:12], 16)
+
+
+def keep_for_serving(folder: str | Path, spec_json: str, client_id: int, name: str, chosen: int, candidate: float, accuracy: float,
+                 labels: list[str] | None, snapshot: dict | None, global_params: dict) -> None:
+    """What `fedpipe.models.site_line.register_site_models` needs, written by the site at the run's evaluation (atomically,
+    the global model first): the site's personalized model can then be exported and served where it is."""
+    served = Path(folder) / SERVED
+    served.mkdir(parents=True, exist_ok=True)
+    tmp = served / (GLOBAL + ".tmp")
+    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in global_params.items()}, str(tmp))
+    tmp.replace(served / GLOBAL)
+    body = {"spec": spec_json, "client_id": client_id, "name": name, "chosen": chosen, "candidate": candidate,
+            "accuracy": accuracy, "labels": labels, "snapshot": snapshot}
+    tmp = served / (LATEST + ".tmp")
+    tmp.write_text(json.dumps(body))
+    tmp.replace(served / LATEST)

@@ -129,3 +129,28 @@ def test_each_site_read_only_its_own_folder_and_learned(own_files):
     assert all(s["accuracy"] > 0.3 for s in summary["per_site"].values())  # chance: 1/4 of a site's own four digits
     assert "hospital-a, hospital-b" in own_files["stdout"] and "global model" in own_files["stdout"]
     assert (own_files["out"] / "census.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_site_serves_its_own_model(own_files):
+    """`fedpipe site serve` exports the site's personalized model where it is and registers it in a model line in its
+    own folder (--register-only here: the HTTP server is `fedpipe models serve`'s, tested with it); the same predictor
+    answers the site's raw test images with the site's model, as accurately as the site reported at the evaluation."""
+    from fedpipe.models.line import ModelLine
+    from fedpipe.serving.predictor import LinePredictor, ServeOptions
+    from fedpipe.store import open_store
+
+    name = "hospital-a"
+    state = own_files["work"] / "sites" / name / "state"
+    done = _fedpipe("site", "serve", "--state", str(state), "--register-only", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "version 1 of" in done.stderr
+    again = _fedpipe("site", "serve", "--state", str(state), "--register-only", timeout=300)  # the same run: the same version
+    assert again.returncode == 0 and "version 1 of" in again.stderr, again.stderr
+    predictor = LinePredictor(ModelLine(open_store(str(state / "models")), name), None, ServeOptions(trust_unsigned=True))
+    (prepared,) = (state / "prepared").glob("*.safetensors")
+    t = safetensors.torch.load_file(str(prepared))
+    raw = (t["test_x"] * 0.5 + 0.5) * 255  # the fixed standardisation undone: the pixels a caller sends
+    answer = predictor.predict(name, raw)
+    assert answer.model == "personalized" and answer.client == name
+    accuracy = float((torch.from_numpy(answer.index) == t["test_y"]).double().mean())
+    assert accuracy == pytest.approx(own_files["summary"]["per_site"][name]["accuracy"], abs=1.5 / len(t["test_y"]))
