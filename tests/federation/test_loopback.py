@@ -29,7 +29,7 @@ from fedpipe.federation.tryout import LoopbackFederation, prepare
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 OVERRIDES = [
     "method.name=fedavg",

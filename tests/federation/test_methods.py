@@ -38,7 +38,7 @@ from fedpipe.federation.tryout import LoopbackFederation, prepare
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run, federated_data
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 BASE = ["partition.scheme=pathological", "partition.num_clients=4", "model.name=twonn", "train.rounds=2",
         "train.local_epochs=1", "train.batch_size=20", "train.client_fraction=1.0", "engine.clients=sequential",

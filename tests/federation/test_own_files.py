@@ -36,7 +36,7 @@ from fedpipe.plots import census_heatmap
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 OVERRIDES = ["method.name=fedavg", "data.dataset=files", "partition.scheme=natural", "data.standardisation=fixed",
              "model.name=twonn", "train.rounds=3", "train.local_epochs=1", "train.batch_size=20", "train.lr=0.05",

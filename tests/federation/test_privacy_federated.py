@@ -24,7 +24,7 @@ from fedpipe.federation.tryout import LoopbackFederation, prepare
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 BASE = ["method.name=fedavg", "partition.scheme=pathological", "partition.num_clients=4", "model.name=twonn", "train.rounds=2",
         "train.local_epochs=1", "train.batch_size=20", "train.client_fraction=0.75", "train.min_clients=1",

@@ -47,6 +47,9 @@ from fedpipe.federation.support import SECURE_AGGREGATION, secure_refusal
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run
 
+# every test here on the worker that runs the other federations (`--dist loadgroup`): one federation at a time
+pytestmark = [pytest.mark.xdist_group("federation")]
+
 OVERRIDES = [
     "method.name=fedavg",
     "partition.scheme=pathological",

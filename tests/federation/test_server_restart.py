@@ -31,7 +31,7 @@ from fedpipe.run.run import Run
 
 from .test_loopback import ATOL, OVERRIDES, RTOL
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _rounds(out):

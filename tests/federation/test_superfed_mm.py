@@ -26,7 +26,7 @@ from fedpipe.federation.sites import state_digest
 from fedpipe.federation.tryout import LoopbackFederation, prepare
 from fedpipe.run.config import load_config
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 OVERRIDES = ["method.name=superfed_mm", "method.start_fraction=0.25", "partition.scheme=pathological",
              "partition.num_clients=4", "model.name=twonn", "train.rounds=4", "train.local_epochs=1", "train.batch_size=50",

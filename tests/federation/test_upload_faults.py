@@ -19,7 +19,7 @@ from fedpipe.federation.faults import FAULT_INJECTOR_ENV
 from fedpipe.federation.tryout import LoopbackFederation, prepare
 from fedpipe.run.config import load_config
 
-pytestmark = [pytest.mark.federation, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 OVERRIDES = ["method.name=fedavg", "partition.scheme=pathological", "partition.num_clients=4", "model.name=twonn",
              "train.rounds=2", "train.local_epochs=1", "train.batch_size=50", "train.client_fraction=1.0",
