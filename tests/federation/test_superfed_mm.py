@@ -87,8 +87,8 @@ def test_killed_site_rejoins_with_its_state(superfed):
 def test_personal_state_only_at_the_sites(superfed):
     assert superfed["result"] == {"phase": "personalization", "round": 4, "sites": 4, "server_client_states": 0}
     out = superfed["work"] / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["evaluation.json", "global.safetensors", "result.json", "rounds.jsonl",
-                                                     "server-state.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["census.json", "evaluation.json", "global.safetensors", "result.json",
+                                                     "rounds.jsonl", "server-state.pt"]
     checkpoint = PhaseState.from_bytes((out / "server-state.pt").read_bytes(), "cpu", where="server-state.pt")
     assert len(checkpoint.clients) == 0 and not checkpoint.server.per_client  # the server's checkpoint: global state only
     glob = safetensors.torch.load_file(str(out / "global.safetensors"))
