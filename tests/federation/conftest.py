@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
     assigning `item._nodeid` (xdist/remote.py, `WorkerInteractor.pytest_collection_modifyitems`), but pytest 9 reads
     the node id from `item._id` (a `NodeId`, _pytest/nodes.py), so the groups were silently ignored and the federation
     modules ran on both workers. Until xdist follows, the suffix is set where pytest 9 reads it."""
-    if not config.getvalue("loadgroup") or not items or not hasattr(items[0], "_id"):
+    if not config.getoption("loadgroup", False) or not items or not hasattr(items[0], "_id"):  # False without xdist (-p no:xdist)
         return
     from _pytest.nodeid import NodeId
 
