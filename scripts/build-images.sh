@@ -224,6 +224,10 @@ fi
 # one of them fails half-way with "no space left on device" (seen in CI) and leaves gigabytes behind. Say so
 # before starting, and keep the push's temporary files in $STATE/tmp, removed whatever happens.
 image_bytes=$($PODMAN image inspect --format '{{.Size}}' "$LOCAL_REF")
+# Each rebuild leaves the previous fedpipe image untagged (gigabytes when the dependency layer changed); drop
+# those first: only dangling images with fedpipe's own title label, nothing of anyone else's.
+pruned=$($PODMAN image prune -f --filter label=org.opencontainers.image.title=fedpipe 2>/dev/null | wc -l)
+[ "$pruned" -gt 0 ] && say "dropped $pruned untagged earlier fedpipe build(s)"
 free_bytes=$(( $(df -Pk "$STATE" | awk 'NR==2 {print $4}') * 1024 ))
 if [ "$free_bytes" -lt $(( 2 * image_bytes )) ]; then
   die "the push needs about $(( 2 * image_bytes / 1000000000 + 1 )) GB free on the disk of $REPO/$STATE, and only \
