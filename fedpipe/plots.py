@@ -407,3 +407,38 @@ def global_vs_local_accuracy(rows: list[dict], path: str | Path, title: str | No
     axes[-1].legend(loc="lower right", fontsize=8, title="numbers: majority fraction p", title_fontsize=7)
     fig.suptitle(title or "Global vs local test accuracy per method and majority-class fraction p", fontsize=11)
     return _save(fig, path)
+
+
+def federated_rounds(rounds: list[dict], path: str | Path, title: str | None = None) -> Path:
+    """A federated run per round (rounds.jsonl of `fedpipe.federation.server_app`): the sites' mean training loss, how
+    many sites answered and how many failed (timed out, errored, or had their upload refused), and the megabytes up
+    and down, with the phases named over the rounds they ran."""
+    fig = Figure(figsize=(8, 6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_sites, ax_bytes = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
+    xs = [r["round"] for r in rounds]
+    ax_loss.plot(xs, [r["loss"] for r in rounds], "-o", markersize=3, color="tab:gray")
+    ax_loss.set_ylabel("train loss (sites' mean)")
+    answered = [r["clients"] - r["failed"] for r in rounds]
+    ax_sites.bar(xs, answered, color="tab:green", label="answered")
+    ax_sites.bar(xs, [r["failed"] for r in rounds], bottom=answered, color="tab:red", label="failed")
+    ax_sites.set_ylabel("sites")
+    ax_sites.legend(loc="lower right", fontsize=8)
+    ax_bytes.plot(xs, [r["bytes_up"] / 1e6 for r in rounds], "-^", markersize=3, label="up")
+    ax_bytes.plot(xs, [r["bytes_down"] / 1e6 for r in rounds], "-v", markersize=3, label="down")
+    ax_bytes.set_ylabel("MB")
+    ax_bytes.set_xlabel("round")
+    ax_bytes.legend(loc="upper right", fontsize=8)
+    for a in (ax_loss, ax_sites, ax_bytes):
+        a.grid(alpha=0.3)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    phases: dict[str, list[int]] = {}
+    for r in rounds:
+        phases.setdefault(r["phase"], []).append(r["round"])
+    for i, (name, rs) in enumerate(phases.items()):
+        for a in (ax_loss, ax_sites, ax_bytes):
+            a.axvspan(min(rs) - 0.5, max(rs) + 0.5, color=f"C{i}", alpha=0.06, lw=0)
+        ax_loss.text((min(rs) + max(rs)) / 2, 0.97, name, ha="center", va="top", fontsize=8, color="dimgray",
+                     transform=ax_loss.get_xaxis_transform())
+    fig.suptitle(title or "federated rounds", fontsize=11)
+    return _save(fig, path)

@@ -63,19 +63,26 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
 
 def _run_federated(cfg) -> None:
     """engine.mode=federation: submit the run to federation.superlink (the sites have joined it with `fedpipe site
-    join`), wait, and print what the sites reported (fedpipe.federation.launch)."""
+    join`), wait, print what the sites reported and where the report is (fedpipe.federation.launch); with
+    registry.name, the sites also score the line's promoted global model and the run's is registered, and promoted
+    when the gate says so (fedpipe.models.federated)."""
     from fedpipe.federation.launch import federate
+    from fedpipe.federation.report import summary_lines
+    from fedpipe.models.federated import champion_for, publish_federated
+    from fedpipe.run.run import Run
+    from fedpipe.store import open_store
 
+    champion = champion_for(cfg, cfg.federation.sites)  # None: no line, or nothing promoted yet
     typer.echo(f"Running {cfg.method.name} as a federation through {cfg.federation.superlink}: waiting for "
-               f"{cfg.federation.sites} sites", err=True)
-    summary = federate(cfg)
-    glob = summary["global_accuracy"]
-    typer.echo(f"  sites                  {summary['sites']}: " + ", ".join(summary["per_site"]))
-    typer.echo(f"  personalized accuracy  {summary['personalized_accuracy']:.4f} (mean over sites, each on its own test split)")
-    typer.echo(f"  global model           {'n/a' if glob is None else f'{glob:.4f}'} (on the sites' held-out shares)")
-    typer.echo(f"  rounds                 {summary['rounds']} ({summary['failed_clients']} failed site rounds); "
-               f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down")
+               f"{cfg.federation.sites} sites" + (f"; the sites also score version {champion[0]} of model line "
+                                                 f"{cfg.registry.name!r}" if champion else ""), err=True)
+    summary = federate(cfg, champion=None if champion is None else champion[1])
+    for line in summary_lines(summary)[1:]:
+        typer.echo(line)
     typer.echo(f"  outputs                {summary['folder']}")
+    if cfg.registry.name:
+        publish_federated(cfg, summary, None if champion is None else champion[0])
+        _print_publication(open_store(str(cfg.run.store)), cfg.registry.name, Run(cfg).layout.run_id)
 
 
 def _print_publication(store, name: str, run_id: str) -> None:

@@ -113,14 +113,16 @@ def try_out(config: ConfigOpt = None, set: SetOpt = None,
 
     With data.dataset=files (image folders, one per client) each site gets a copy of its client's folder and makes its
     splits itself; with a bundled dataset the simulation's partition is exported, one folder of tensors per client.
-    The global model, rounds.jsonl, census.json and the sites' evaluation land in WORK/out."""
-    import json
-
+    The global model, rounds.jsonl, census.json and the sites' evaluation land in WORK/out, the report (summary.json,
+    sites.csv, plots, report.html) in WORK/report."""
+    from fedpipe.federation.report import summary_lines, write_report
     from fedpipe.federation.tryout import run_tryout
 
     cfg = _load(config, set)
-    result = run_tryout(cfg, work, flower_env or FLOWER_ENV, timeout)
-    typer.echo(json.dumps(result))
+    run_tryout(cfg, work, flower_env or FLOWER_ENV, timeout)
+    summary = write_report(work / "out", work / "report", f"{cfg.method.name}, a try-out federation on this machine")
+    for line in summary_lines(summary):
+        typer.echo(line)
 
 
 @site_app.command("serve")

@@ -208,6 +208,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     if site.census is not None and len(held) and glob is not None:  # own files: the global model on this site's share of the global test set
         scores = evaluate_model(algorithm, glob, held, int(cfg.get("batch-size", 256)), 10)
         metrics.update({"holdout-accuracy": float(scores.accuracy), "holdout-samples": len(held)})
+        if "champion" in msg.content:  # the gate: the promoted version's global model on the same samples
+            champion = algorithm.global_model(ServerState(check_upload("the champion", server.global_params, msg.content["champion"])))
+            metrics["champion-holdout-accuracy"] = float(evaluate_model(algorithm, champion, held, int(cfg.get("batch-size", 256)), 10).accuracy)
     if site.census is not None:  # own files: keep what serving this site's own models needs (`fedpipe site serve`)
         keep_for_serving(site.folder, spec.to_json(), site.client_id, site.census["name"], int(c.chosen), float(c.candidates[c.chosen]),
                          float(c.accuracy), site.census.get("labels"), site.census.get("snapshot"), server.global_params)

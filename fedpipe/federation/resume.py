@@ -22,6 +22,9 @@ from fedpipe.errors import ConfigError
 
 CHECKPOINT = "server-state.pt"
 RESUMES = "resumes.jsonl"  # one line per start that found a checkpoint: {"from_phase", "from_round"}
+#: the promoted version's server state, written into the out-dir by `fedpipe run` when the run publishes to a model
+#: line: the sites score its global model beside the new one, on the same samples (the gate's comparison)
+CHAMPION = "champion.safetensors"
 
 
 def fingerprint(spec_json: str) -> str:

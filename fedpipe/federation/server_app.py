@@ -35,6 +35,7 @@ from fedpipe.engine.privacy import Privacy
 from fedpipe.engine.rounds import RoundResult, run_phase
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
+from fedpipe.errors import ConfigError
 from fedpipe.federation import audit, resume
 from fedpipe.federation.census import Census, take_census
 from fedpipe.federation.private import server_privacy
@@ -243,12 +244,14 @@ def save_global(path: Path, params: dict[str, torch.Tensor]) -> None:
 
 
 def evaluate_at_sites(grid: Grid, roster: Roster, spec: FederationSpec, global_params: dict[str, torch.Tensor],
-                      timeout: float) -> dict[int, dict]:
-    """Each site scores its own candidates on its own splits (`client_app.evaluate`); only the scores come back."""
+                      timeout: float, champion: dict[str, torch.Tensor] | None = None) -> dict[int, dict]:
+    """Each site scores its own candidates on its own splits (`client_app.evaluate`), and, when given, the promoted
+    version's global model on its share of the global test set; only the scores come back."""
     config = ConfigRecord({"spec": spec.to_json()})
-    download = to_record(global_params)
-    asks = [Message(RecordDict({"download": download, "config": config}), dst_node_id=e.node_id,
-                    message_type=MessageType.EVALUATE) for e in roster.clients]
+    content = {"download": to_record(global_params), "config": config}
+    if champion is not None:
+        content["champion"] = to_record(champion)
+    asks = [Message(RecordDict(content), dst_node_id=e.node_id, message_type=MessageType.EVALUATE) for e in roster.clients]
     by_node = {e.node_id: e.client_id for e in roster.clients}
     scores = {}
     for node, reply in exchange(grid, asks, timeout).items():
@@ -258,6 +261,20 @@ def evaluate_at_sites(grid: Grid, roster: Roster, spec: FederationSpec, global_p
             continue
         scores[cid] = {k: float(v) for k, v in reply.content["metrics"].items()}
     return scores
+
+
+def read_champion(out: Path, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The promoted version's server state the run is gated against (None: no champion.safetensors), checked against
+    this run's model before any round: the sites score it with this run's network, so names and shapes must match."""
+    path = out / resume.CHAMPION
+    if not path.exists():
+        return None
+    params = safetensors.torch.load_file(str(path), device="cpu")
+    differ = sorted(set(params) ^ set(initial)) or [k for k in params if (params[k].shape, params[k].dtype) != (initial[k].shape, initial[k].dtype)]
+    if differ:
+        raise ConfigError(f"{path}: the promoted version's model is not this run's network ({len(differ)} parameters differ, "
+                         f"e.g. {differ[0]!r}): the sites could not score it; publish this run to another line (registry.name)")
+    return params
 
 
 def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_timeout: float | None = None,
@@ -281,6 +298,7 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     roster, spec, census = wait_for_sites(grid, spec.num_sites, timeout, spec)
     (out / "census.json").write_text(json.dumps(census.summary()))
     algorithm, initial = spec.build(DEVICE)
+    champion = read_champion(out, initial)  # before any round: a champion the sites cannot score fails the run now
     if secure:
         for phase in spec.phases():
             secagg.check_secure(spec, algorithm, phase)
@@ -300,7 +318,7 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
         state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)],
                           privacy)
     save_global(out / "global.safetensors", state.server.global_params)
-    scores = evaluate_at_sites(grid, roster, spec, state.server.global_params, timeout)
+    scores = evaluate_at_sites(grid, roster, spec, state.server.global_params, timeout, champion)
     (out / "evaluation.json").write_text(json.dumps({str(c): s for c, s in sorted(scores.items())}))
     (out / "result.json").write_text(json.dumps({"phase": state.phase, "round": state.round, "sites": roster.num_clients,
                                                  "server_client_states": len(state.clients) + len(state.server.per_client)}))

@@ -61,36 +61,23 @@ def register_site_models(folder: str | Path) -> tuple[ModelLine, VersionRecord]:
     server = ServerState(safetensors.torch.load_file(str(folder / SERVED / GLOBAL), device="cpu"))
     names = [p.name for p in spec.phases()]
     state = _state(folder, spec, names)
-    standardisation = spec.site_data["standardisation"]
-    channels = spec.input_shape[0]
-    if standardisation["source"] == "declared":
-        mean, std = np.asarray(standardisation["mean"], dtype=np.float64), np.asarray(standardisation["std"], dtype=np.float64)
-    else:  # fixed (a federation never pools)
-        mean, std = np.full(channels, FIXED_IMAGE_MEAN), np.full(channels, FIXED_IMAGE_STD)
-    if len(spec.input_shape) != 3:
-        raise ConfigError("fedpipe site serve exports image models today; a table site's model is served from the run's line")
-    example = torch.zeros((2, *spec.input_shape), dtype=torch.float32)
+    mean, std = spec_standardisation(spec)
     files: dict[str, bytes] = {}
-
-    def export(params) -> tuple[str, str, bytes]:
-        e = export_model(served_module(algorithm, params, "image", (mean, std)), example)
-        return e.format, e.exporter, e.data
-
-    glob = algorithm.global_model(server)
+    export = exporter(algorithm, spec, mean, std)
     global_file = None
-    if glob is not None:
-        fmt, exporter, data = export(glob)
-        global_file = ServedFile("global" + SUFFIX[fmt], fmt, exporter)
+    if (glob := algorithm.global_model(server)) is not None:
+        fmt, exporter_name, data = export(glob)
+        global_file = ServedFile("global" + SUFFIX[fmt], fmt, exporter_name)
         files[global_file.file] = data
     candidates = algorithm.personalized_candidates(server, state, client_id)
-    fmt, exporter, data = export(candidates[chosen][1])
+    fmt, exporter_name, data = export(candidates[chosen][1])
     (stem,) = client_file_stems([name])
-    mine = ServedFile(f"clients/{stem}{SUFFIX[fmt]}", fmt, exporter, client_id, float(latest.get("candidate", 0.0)))
+    mine = ServedFile(f"clients/{stem}{SUFFIX[fmt]}", fmt, exporter_name, client_id, float(latest.get("candidate", 0.0)))
     files[mine.file] = data
     labels = tuple(str(n) for n in latest.get("labels") or range(spec.num_classes))
     serving = ServingSpec(run_key, spec.method["name"], spec.model_name, "image", tuple(spec.input_shape),
                           tuple(np.float32(mean).tolist()), tuple(np.float32(std).tolist()), labels, global_file, {name: mine},
-                          algorithm.candidate_label, None, standardisation["source"])
+                          algorithm.candidate_label, None, spec.site_data["standardisation"]["source"])
     files[SPEC_FILE] = serving.to_bytes()
     record = line.register(VersionRecord(0, run_key, ModelSpec(spec.model_name, spec.method["name"], tuple(spec.input_shape),
                                                                spec.num_classes, labels), "", latest.get("snapshot"),
@@ -99,6 +86,32 @@ def register_site_models(folder: str | Path) -> tuple[ModelLine, VersionRecord]:
     line.promote(record.version, "the site's latest federated run")
     log.info("Site %s: registered its models of run %s as version %d of %s", name, run_key, record.version, line.store.url())
     return line, record
+
+
+def spec_standardisation(spec: FederationSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The per-channel mean and std a federation's sites standardise with (declared, or fixed: a federation never pools),
+    which every exported model bakes in so that it takes raw inputs."""
+    if not spec.site_data:
+        raise ConfigError("a try-out federation's sites hold exported tensors, standardised with the simulation's statistics: "
+                          "only sites with their own files (`fedpipe site join --data`) give models that take raw inputs")
+    if len(spec.input_shape) != 3:
+        raise ConfigError("a federation's models are exported for image inputs today; a table model is served from a simulation's line")
+    standardisation, channels = spec.site_data["standardisation"], spec.input_shape[0]
+    if standardisation["source"] == "declared":
+        return np.asarray(standardisation["mean"], dtype=np.float64), np.asarray(standardisation["std"], dtype=np.float64)
+    return np.full(channels, FIXED_IMAGE_MEAN), np.full(channels, FIXED_IMAGE_STD)
+
+
+def exporter(algorithm, spec: FederationSpec, mean: np.ndarray, std: np.ndarray):
+    """params -> (format, exporter, bytes): a model of `algorithm` with these parameters, exported for serving with the
+    standardisation baked in (`fedpipe.models.export`, as every run's models are)."""
+    example = torch.zeros((2, *spec.input_shape), dtype=torch.float32)
+
+    def export(params) -> tuple[str, str, bytes]:
+        e = export_model(served_module(algorithm, params, "image", (mean, std)), example)
+        return e.format, e.exporter, e.data
+
+    return export
 
 
 def _state(folder: Path, spec: FederationSpec, names: list[str]):

@@ -71,17 +71,23 @@ def own_files(tmp_path_factory, flower_env):
                               "--key", str(work / "sites" / name / "key" / f"{name}.key"),
                               "--state", str(work / "sites" / name / "state"), "--port", str(free_port())])
         store = work / "fed-store"
-        done = _fedpipe("run", *(f"--set={s}" for s in [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
-                                                          f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.sites={len(SITES)}",
-                                                          f"run.store={store}", "run.id=federated"]), timeout=500)
+        federated = [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}", f"run.store={store}",
+                     f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.sites={len(SITES)}",
+                     "registry.name=hospitals", "registry.gate_metric=global_accuracy"]
+        done = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated"]), timeout=500)
+        assert done.returncode == 0, done.stdout + done.stderr + fed.log_of("superlink")[-3000:]
+        # the line's next version: a shorter run, gated against version 1, which the sites score on the same samples
+        again = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated-2", "train.rounds=1"]), timeout=300)
         logs = {name: fed.log_of(name) for name in SITES}
-    assert done.returncode == 0, done.stdout + done.stderr + fed.log_of("superlink")[-3000:]
+    assert again.returncode == 0, again.stdout + again.stderr
     out = store / "federated" / "federation"
-    return dict(work=work, stdout=done.stdout, logs=logs, out=out,
+    report = store / "federated" / "report"
+    return dict(work=work, stdout=done.stdout, logs=logs, out=out, report=report, store=store, again=again.stdout,
+                evaluation_2=json.loads((store / "federated-2" / "federation" / "evaluation.json").read_text()),
                 simulated={k: v.detach().cpu() for k, v in state.server.global_params.items()},
                 federated=safetensors.torch.load_file(str(out / "global.safetensors")), partition=partition, bundle=sim_run.bundle,
                 result=json.loads((out / "result.json").read_text()), census=json.loads((out / "census.json").read_text()),
-                evaluation=json.loads((out / "evaluation.json").read_text()), summary=json.loads((out / "summary.json").read_text()),
+                evaluation=json.loads((out / "evaluation.json").read_text()), summary=json.loads((report / "summary.json").read_text()),
                 rounds=[json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()])
 
 
@@ -128,12 +134,42 @@ def test_each_site_read_only_its_own_folder_and_learned(own_files):
     assert summary["global_accuracy"] > 0.3
     assert all(s["accuracy"] > 0.3 for s in summary["per_site"].values())  # chance: 1/4 of a site's own four digits
     assert "hospital-a, hospital-b" in own_files["stdout"] and "global model" in own_files["stdout"]
-    assert (own_files["out"] / "census.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = own_files["report"]
+    assert f"report                 {report / 'report.html'}" in own_files["stdout"]
+    for png in ("census.png", "rounds.png"):
+        assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (report / "report.html").read_text()
+    assert all(name in page for name in SITES) and page.count("data:image/png;base64,") == 2
+
+
+def test_the_global_model_is_published_and_the_next_run_gated_at_the_sites(own_files):
+    """registry.name: the first run's global model is version 1 of the line (promoted: the first); the second run is
+    gated against it: each site scored version 1's global model on its held-out share, and got exactly what it scored
+    for the first run's model at that run's evaluation (the same model, the same samples: the sites really scored the
+    promoted version). The version holds the global model for serving, no client's model, and the server's state."""
+    from fedpipe.models.line import ModelLine
+    from fedpipe.store import open_store
+
+    line = ModelLine(open_store(str(own_files["store"])), "hospitals")
+    assert line.versions() == [1, 2]
+    first, second = line.record(1), line.record(2)
+    assert first.decision["promoted"] and first.run_id.startswith("federated") and first.clients == ()
+    assert "model line             hospitals version 1: promoted" in own_files["stdout"]
+    assert second.decision["champion_version"] == 1 and second.decision["metric"] == "global_accuracy"
+    assert "model line             hospitals version 2" in own_files["again"]
+    for cid, scores in own_files["evaluation"].items():
+        assert own_files["evaluation_2"][cid]["champion-holdout-accuracy"] == scores["holdout-accuracy"], cid
+    assert second.decision["champion"] == pytest.approx(own_files["summary"]["global_accuracy"])
+    assert line.promoted() == (2 if second.decision["promoted"] else 1)
+    files = {k.rsplit("/", 1)[-1] for k in line.store.list(line.keys.version(1))}
+    assert {"spec.json", "state.pt"} <= files and any(f.startswith("global.") for f in files)
+    spec = json.loads(line.read(1, "spec.json", 2**20))
+    assert spec["clients"] == {} and spec["normalisation"]["source"] == "fixed"
 
 
 def test_a_site_serves_its_own_model(own_files):
-    """`fedpipe site serve` exports the site's personalized model where it is and registers it in a model line in its
-    own folder (--register-only here: the HTTP server is `fedpipe models serve`'s, tested with it); the same predictor
+    """`fedpipe site serve` exports the site's personalized model of its latest run where it is and registers it in a
+    model line in its own folder (--register-only here: the HTTP server is `fedpipe models serve`'s, tested with it); the same predictor
     answers the site's raw test images with the site's model, as accurately as the site reported at the evaluation."""
     from fedpipe.models.line import ModelLine
     from fedpipe.serving.predictor import LinePredictor, ServeOptions
@@ -153,4 +189,5 @@ def test_a_site_serves_its_own_model(own_files):
     answer = predictor.predict(name, raw)
     assert answer.model == "personalized" and answer.client == name
     accuracy = float((torch.from_numpy(answer.index) == t["test_y"]).double().mean())
-    assert accuracy == pytest.approx(own_files["summary"]["per_site"][name]["accuracy"], abs=1.5 / len(t["test_y"]))
+    latest = own_files["evaluation_2"]["0"]  # the site's latest run: the fixture's second (hospital-a is client 0)
+    assert accuracy == pytest.approx(latest["accuracy"], abs=1.5 / len(t["test_y"]))
