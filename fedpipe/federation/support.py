@@ -42,11 +42,24 @@ NOT_YET: dict[str, str] = {
 #: masked sum alone (fedpipe/federation/secagg.py), so the server never needs one site's upload.
 SECURE_AGGREGATION: dict[str, str] = {
     "fedavg": "the round's weighted mean is computed from the masked sum alone (tests/federation/test_secagg.py)",
+    "fedprox": "as FedAvg: the global model's weighted mean",
+    "superfed_mm": "both phases: the global model's weighted mean; each site's local model stays in its folder "
+                   "(tests/federation/test_secagg.py)",
+    "superfed_lm": "as SuPerFed-MM",
+    "ditto": "the global model's weighted mean; the personal models stay at the sites",
+    "apfl": "the global model's weighted mean; the local models and alphas stay at the sites",
+    "fedper": "the shared base layers' weighted mean; the personalization layers stay at the sites",
+    "lgfedavg": "the global top layers' weighted mean; the representation layers stay at the sites (tests/federation/test_secagg.py)",
 }
 
 #: Why a federated method is refused with secure aggregation today (default: its aggregation needs each upload).
 SECURE_NOT_YET: dict[str, str] = {
-    "superfed_mm": "its aggregation is a weighted mean too, but its secure path is not wired and tested yet",
+    "pfedme": "its server step, w = (1 - beta) w + beta * mean, weighs the sites uniformly, not by samples: SecAgg+'s "
+              "weighted sum would change the method",
+    "pfedmb": "each branch is averaged with the weights n_i * alpha_i, which depend on each site's alpha: the server needs "
+              "each site's alpha",
+    "fedavg_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedavg under SecAgg+ instead",
+    "fedprox_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedprox under SecAgg+ instead",
 }
 SECURE_DEFAULT = "its aggregation is not a plain weighted sum of the uploads: the server needs each site's upload"
 

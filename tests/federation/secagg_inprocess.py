@@ -5,6 +5,8 @@ destination site's ClientApp with that site's own Context (kept across messages,
 
     python secagg_inprocess.py SPEC_FILE OUT_DIR SITE_DIR... [--fault SITE_INDEX=FAULT@ROUND] [--rounds N]
 
+Every phase of the spec's method runs its rounds up to round N.
+
 Writes OUT_DIR/result.json: per round, the outcomes (client, error) and the secure line rounds.jsonl would get.
 """
 
@@ -85,19 +87,21 @@ def main() -> None:
     grid = InMemorySites([Path(s) for s in a.sites], faults)
     roster = Roster([SiteEntry(json.loads((Path(f) / "site.json").read_text())["client_id"], False, n) for n, f in grid.nodes.items()])
     algorithm, initial = spec.build(DEVICE)
-    phase = spec.phases()[0]
-    trainer = SecureSiteRound(SiteRound(grid, roster, spec, phase, 60.0, out), spec)
     state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
     rounds = []
-    for r in range(1, a.rounds + 1):
-        try:
-            result = run_round(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, r)
-            rounds.append({"round": r, "clients": result.clients, "failed": result.failed_clients, "bytes_up": result.bytes_uploaded,
-                           "secure": trainer.secure[r], "rejected": [x for x in trainer.rejected if x["round"] == r]})
-        except Exception as e:
-            rounds.append({"round": r, "error": f"{type(e).__name__}: {e}", "secure": trainer.secure.get(r),
-                           "rejected": [x for x in trainer.rejected if x["round"] == r]})
-            break
+    for phase in spec.phases():  # every phase's rounds up to --rounds, each phase with its own trainer (as serve does)
+        trainer = SecureSiteRound(SiteRound(grid, roster, spec, phase, 60.0, out), spec)
+        for r in range(phase.first_round, min(phase.last_round, a.rounds) + 1):
+            try:
+                result = run_round(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, r)
+                rounds.append({"round": r, "phase": phase.name, "clients": result.clients, "failed": result.failed_clients,
+                               "bytes_up": result.bytes_uploaded, "secure": trainer.secure[r],
+                               "rejected": [x for x in trainer.rejected if x["round"] == r]})
+            except Exception as e:
+                rounds.append({"round": r, "phase": phase.name, "error": f"{type(e).__name__}: {e}", "secure": trainer.secure.get(r),
+                               "rejected": [x for x in trainer.rejected if x["round"] == r]})
+                (out / "result.json").write_text(json.dumps({"rounds": rounds}, indent=1))
+                return
     (out / "result.json").write_text(json.dumps({"rounds": rounds}, indent=1))
 
 

@@ -91,12 +91,13 @@ def l2(a: dict, b: dict) -> float:
 def test_secure_aggregation_refused_for_methods_that_are_not_a_weighted_sum(tmp_path):
     assert refusal("fedavg", secure_aggregation=True) is None
     assert "fedavg" in SECURE_AGGREGATION and secure_refusal("fedavg") is None
-    why = refusal("superfed_mm", secure_aggregation=True)
-    assert why and "superfed_mm" in why and "\n" not in why
+    assert refusal("superfed_mm", secure_aggregation=True) is None
+    why = refusal("pfedme", secure_aggregation=True)
+    assert why and "pfedme" in why and "uniformly" in why and "\n" not in why
     assert "not a plain weighted sum" in secure_refusal("fedamp")
-    assert refusal("superfed_mm") is None  # the plain path is unchanged
-    cfg = load_config(None, [*OVERRIDES, "method.name=superfed_mm", *SECURE, f"run.store={tmp_path}"])
-    with pytest.raises(ConfigError, match="secure_aggregation is not available for method 'superfed_mm'"):
+    assert refusal("pfedme") is None  # the plain path is unchanged
+    cfg = load_config(None, [*OVERRIDES, "method.name=pfedme", *SECURE, f"run.store={tmp_path}"])
+    with pytest.raises(ConfigError, match="secure_aggregation is not available for method 'pfedme'.*uniformly"):
         FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
     spec = FederationSpec.from_run_config(load_config(None, [*OVERRIDES, *SECURE, f"run.store={tmp_path}"]), (1, 28, 28), 10, 4)
     assert spec.federation_cfg.secure_aggregation.enabled
@@ -242,3 +243,39 @@ def test_site_failing_its_own_check_drops_out(tmp_path, flower_env):
     aggregate = safetensors.torch.load_file(str(tmp_path / "out" / "audit" / "aggregate-2.safetensors"))
     bound = quantisation_bound(cfg.federation.secure_aggregation, weights, max(float(t.abs().max()) for u in uploads for t in u.values()))
     assert worst(aggregate, weighted_average(uploads, weights)) <= bound + 1e-7
+
+
+@pytest.mark.federation
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", ["superfed_mm", "lgfedavg"])
+def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, method):
+    """In one process, as above: SuPerFed-MM's two phases (Phase I, then Phase II with each site's local model kept in
+    its own folder) and LG-FedAvg (only the global top layers travel; the representation layers stay at the sites)
+    under SecAgg+. Each round's aggregate is the plain path's `weighted_average` of the uploads the sites actually
+    made, within the quantisation bound of the module docstring; the server's round got no upload of its own."""
+    from fedpipe.federation.tryout import prepare
+
+    sets = [*OVERRIDES, *SECURE, f"method.name={method}", "train.rounds=2", f"run.store={tmp_path / 'store'}", "run.id=inproc"]
+    cfg = load_config(None, sets)
+    spec_file, folders = prepare(cfg, tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", audit.AUDIT_ENV: "1"}
+    r = subprocess.run([str(flower_env / "bin" / "python"), str(Path(__file__).with_name("secagg_inprocess.py")), str(spec_file),
+                        str(tmp_path / "out"), *map(str, folders), "--rounds", "2"], capture_output=True, text=True, timeout=500, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rounds = json.loads((tmp_path / "out" / "result.json").read_text())["rounds"]
+    phases = {"superfed_mm": ["federation", "personalization"], "lgfedavg": ["federation", "federation"]}[method]
+    assert [x.get("phase") for x in rounds] == phases and all("error" not in x for x in rounds), rounds
+    for x in rounds:
+        n = x["round"]
+        assert x["clients"] == 4 and x["secure"]["sites_summed"] == 4 and x["failed"] == 0
+        uploads = [safetensors.torch.load_file(str(f / "audit" / f"upload-{n}.safetensors")) for f in folders]
+        weights = [next(a["weight"] for a in audit.read(f) if a["round"] == n) for f in folders]
+        aggregate = safetensors.torch.load_file(str(tmp_path / "out" / "audit" / f"aggregate-{n}.safetensors"))
+        assert aggregate.keys() == uploads[0].keys()
+        bound = quantisation_bound(cfg.federation.secure_aggregation, weights, max(float(t.abs().max()) for u in uploads for t in u.values()))
+        assert worst(aggregate, weighted_average(uploads, weights)) <= bound + 1e-7, n
+    if method == "superfed_mm":  # Phase II's local models stayed at the sites
+        assert all((f / "state" / "personalization.safetensors").exists() for f in folders)
+    else:  # only the global top layers travelled
+        _, initial = FederationSpec.read(spec_file).build(torch.device("cpu"))
+        assert set(aggregate) < set(initial)
