@@ -167,12 +167,16 @@ if [ "$TORCH" = cuda ] && [ -n "$HOSTPY" ]; then
   reqs=$STATE/requirements.txt
   "$HOSTPY" -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], *p['optional-dependencies']['hub'], sep='\n')" > "$reqs"  # as images/Dockerfile's requirements stage
   printf 'setuptools>=68\nwheel\n' >> "$reqs"   # fedpipe's own build requirements (pyproject.toml [build-system])
+  grep -v '^#' images/flower-requirements.txt | sed 's/^/# flower: /' >> "$reqs"  # a change of it collects again
   if ! cmp -s "$reqs" "$WHEELS/.requirements.done"; then
     t0=$(date +%s)
     say "collecting wheels into $WHEELS with $HOSTPY (the first time: ~3 GB, about a minute)..."
     empty=$(mktemp -d)
     # An empty find-links: some machines carry a CPU-only torch wheel there, which PyPI's torchvision cannot use.
     PIP_FIND_LINKS="$empty" "$HOSTPY" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" -r "$reqs" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+    # Flower's own set apart: its pins (older typer, fastapi...) conflict with the list above (images/Dockerfile's /opt/flower)
+    PIP_FIND_LINKS="$empty" "$HOSTPY" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" -r images/flower-requirements.txt \
       2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
     rmdir "$empty"
     cp "$reqs" "$WHEELS/.requirements.done"

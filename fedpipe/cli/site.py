@@ -12,6 +12,7 @@ import typer
 
 from fedpipe.cli.common import ConfigOpt, SetOpt, _guarded, _load, app
 from fedpipe.errors import ConfigError
+from fedpipe.federation import flower_env
 
 site_app = typer.Typer(
     help="A site of a federation (engine.mode=federation): a Flower SuperNode running fedpipe's client side next to "
@@ -22,10 +23,10 @@ site_app = typer.Typer(
 )
 app.add_typer(site_app, name="site")
 
-FLOWER_ENV = Path(__file__).resolve().parents[2] / ".cache" / "flower-venv"
+FLOWER_ENV = flower_env()  # FEDPIPE_FLOWER_ENV (the image: /opt/flower), else the checkout's .cache/flower-venv
 FlowerEnvOpt = Annotated[Optional[Path], typer.Option("--flower-env", help="The Python environment holding Flower 1.42 "
-                                                      "(scripts/flower-env.sh builds .cache/flower-venv); default: that one, "
-                                                      "else the flower-supernode on PATH.")]
+                                                      "(scripts/flower-env.sh builds .cache/flower-venv; the image has /opt/flower); default: "
+                                                      "$FEDPIPE_FLOWER_ENV, else .cache/flower-venv, else the flower-supernode on PATH.")]
 
 
 def _flower_bin(env: Optional[Path], program: str) -> str:

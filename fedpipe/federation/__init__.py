@@ -15,3 +15,17 @@ This package is imported by Flower's processes, which run in the separate enviro
 scripts/flower-env.sh builds (flwr 1.42 pins typer, fastapi and starlette below what .venv needs).
 `spec`, `sites`, `certs` and `tryout` import no Flower module, so .venv can prepare a federation.
 """
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Where Flower's processes come from: FEDPIPE_FLOWER_ENV (the image sets /opt/flower), else the checkout's
+#: .cache/flower-venv that scripts/flower-env.sh builds
+FLOWER_ENV_VAR = "FEDPIPE_FLOWER_ENV"
+
+
+def flower_env() -> Path:
+    """The Python environment holding Flower 1.42 (its bin/ has flower-superlink, flower-supernode, flwr)."""
+    return Path(os.environ.get(FLOWER_ENV_VAR) or Path(__file__).resolve().parents[2] / ".cache" / "flower-venv")

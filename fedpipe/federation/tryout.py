@@ -32,10 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+from fedpipe.federation import flower_env
 from fedpipe.federation.certs import make_site_key, make_tls
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_ENV = ROOT / ".cache" / "flower-venv"
+DEFAULT_ENV = flower_env()  # FEDPIPE_FLOWER_ENV, else .cache/flower-venv
 CONNECTION = "fedpipe-tryout"
 
 APP_PYPROJECT = """\

@@ -93,6 +93,26 @@ def test_the_pinned_stack_imports_and_the_entry_points_run(image):
     assert "--function_to_execute" in run(image, "python3", "-m", "kfp.dsl.executor_main", "--help").stdout
 
 
+def test_flower_runs_in_its_own_environment_with_the_images_fedpipe(image, tmp_path):
+    """Federation mode's processes (SuperLink, SuperNode, flwr) come from /opt/flower (FEDPIPE_FLOWER_ENV): Flower
+    1.42.0 with its own pins (typer below 0.21, which fedpipe's own environment has newer), importing the image's
+    torch and fedpipe's ServerApp and ClientApp; `fedpipe site keygen` makes a site's key pair in a mounted folder."""
+    probe = ("import json, flwr, typer, torch, fedpipe.federation.client_app as c, fedpipe.federation.server_app;"
+             "print(json.dumps([flwr.__version__, typer.__version__, torch.__version__, c.__file__]))")
+    flwr, typer, torch_version, client_app = json.loads(run(image, "/opt/flower/bin/python", "-c", probe).stdout.strip().splitlines()[-1])
+    assert flwr == "1.42.0" and tuple(int(x) for x in typer.split(".")[:2]) < (0, 21), (flwr, typer)
+    assert torch_version.startswith("2.13.0") and client_app.startswith("/usr/local/lib/python3.11/site-packages/fedpipe/")
+    images_typer = run(image, "python", "-c", "import typer; print(typer.__version__)").stdout.strip()
+    assert images_typer != typer  # the pins stay in /opt/flower
+    env = run(image, "sh", "-c", 'echo "$FEDPIPE_FLOWER_ENV"; /opt/flower/bin/flower-supernode --help').stdout
+    assert env.startswith("/opt/flower\n") and "--root-certificates" in env
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o777)
+    keys.chmod(0o777)  # the image's user (1000) writes into it
+    run(image, "fedpipe", "site", "keygen", "hospital-a", "--out", "/keys", volumes=(f"{keys}:/keys:rw",))
+    assert (keys / "hospital-a.pub").read_text().startswith("ecdsa-sha2-nistp384 ") and (keys / "hospital-a.key").exists()
+
+
 def test_a_tiny_run_writes_its_report_into_a_mounted_folder(image, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
