@@ -80,27 +80,83 @@ def join(data: Annotated[str, typer.Option(help="This site's own data: a folder 
     sample's identity, as the simulation of all sites' files would), answers the census with its label counts,
     trains the rounds it is chosen for, keeps its personal models in --state, and sends only what the method uploads.
     Stops with Ctrl-C; started again with the same key and --state, it rejoins with its state."""
-    from fedpipe.data.files import check_files
     from fedpipe.federation.tryout import supernode_args
+
+    name, samples = _check_site(data, root_certificates, key, image_size)
+    state.mkdir(parents=True, exist_ok=True)
+    node = {"site-dir": str(state.resolve()), "data": data if "://" in data else str(Path(data).resolve()), "opt-out": opt_out}
+    args = supernode_args(_flower_bin(flower_env, "flower-supernode"), superlink, root_certificates.resolve(), key.resolve(),
+                          node, port)
+    typer.echo(f"site {name}: {samples} samples checked; joining {superlink}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
+    sys.stdout.flush()  # exec replaces this process: what it printed must be out first
+    os.execve(args[0], args, env)  # the site process becomes the SuperNode (signals, exit code and logs are its own)
+
+
+def _check_site(data: str, root_certificates: Path, key: Path, image_size: Optional[int]) -> tuple[str, int]:
+    """The site's own files (one client, readable, valid), its CA certificate and its private key; returns the client's
+    name and sample count. Nothing is sent anywhere."""
+    from cryptography.hazmat.primitives import serialization
+
+    from fedpipe.data.files import check_files
 
     for path, what in ((root_certificates, "--root-certificates"), (key, "--key")):
         if not path.is_file():
             raise ConfigError(f"{what} {path} does not exist")
+    try:
+        serialization.load_ssh_private_key(key.read_bytes()[:65536], password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--key {key} is not an unencrypted OpenSSH private key ({e}): make one with `fedpipe site keygen`") from None
     check = check_files(data, image_size)
     check.problems.raise_if_errors(check.source)
     if check.rows is not None and len(check.rows.client_names) != 1:
         names = check.rows.client_names
         raise ConfigError(f"{data} holds {len(names)} clients ({', '.join(names[:5])}): a site holds one client's data. "
                           "Give each client its own site (its own folder or table).")
-    state.mkdir(parents=True, exist_ok=True)
-    node = {"site-dir": str(state.resolve()), "data": data if "://" in data else str(Path(data).resolve()), "opt-out": opt_out}
-    args = supernode_args(_flower_bin(flower_env, "flower-supernode"), superlink, root_certificates.resolve(), key.resolve(),
-                          node, port)
-    typer.echo(f"site {check.rows.client_names[0] if check.rows else '?'}: {check.rows.y.size if check.rows else 0} samples "
-               f"checked; joining {superlink}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
-    sys.stdout.flush()  # exec replaces this process: what it printed must be out first
-    os.execve(args[0], args, env)  # the site process becomes the SuperNode (signals, exit code and logs are its own)
+    return (check.rows.client_names[0], int(check.rows.y.size)) if check.rows is not None else ("?", 0)
+
+
+def _check_superlink(superlink: str, root_certificates: Path, timeout: float) -> str:
+    """A TLS handshake with the SuperLink's fleet API, its certificate checked against the CA and its address (what
+    the SuperNode's gRPC channel checks); returns the certificate's subject. Nothing but the handshake is sent."""
+    import socket
+    import ssl
+
+    host, _, port = superlink.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--superlink {superlink!r} is not host:port")
+    context = ssl.create_default_context(cafile=str(root_certificates))
+    context.set_alpn_protocols(["h2"])  # gRPC's HTTP/2
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw, \
+                context.wrap_socket(raw, server_hostname=host.strip("[]")) as tls:
+            subject = dict(item for rdn in tls.getpeercert().get("subject", ()) for item in rdn)
+    except ssl.SSLCertVerificationError as e:
+        raise ConfigError(f"the SuperLink at {superlink} answered, but its certificate does not check against {root_certificates}: "
+                          f"{e.verify_message}. Use the federation's CA certificate, and the address the certificate names") from None
+    except OSError as e:
+        raise ConfigError(f"cannot reach the SuperLink at {superlink}: {e}. Is it running, is the address right, and does "
+                          "the network (a NetworkPolicy, a firewall) let this site through?") from None
+    return subject.get("commonName", "?")
+
+
+@site_app.command("check")
+@_guarded
+def check(data: Annotated[str, typer.Option(help="This site's own data (as for `fedpipe site join`).")],
+          superlink: Annotated[str, typer.Option(help="The SuperLink's host:port (its TLS port).")],
+          root_certificates: Annotated[Path, typer.Option(help="The CA certificate (PEM) the SuperLink's certificate is checked against.")],
+          key: Annotated[Path, typer.Option(help="This site's private key (read, never sent).")],
+          image_size: Annotated[Optional[int], typer.Option(help="Check the images at this size (the run's data.image_size).")] = None,
+          timeout: Annotated[float, typer.Option(help="Seconds to wait for the SuperLink.")] = 10.0):
+    """Check that this site can join, without joining and without sending any of its data: its own files are one
+    client's and valid, its key is a private key, and the SuperLink answers a TLS handshake with a certificate the CA
+    signed for that address. Exit 0 when all hold (the fedpipe-site chart's `helm test` runs this); otherwise one line
+    says what is wrong and how to fix it."""
+    name, samples = _check_site(data, root_certificates, key, image_size)
+    typer.echo(f"data       site {name}: {samples} samples in {data}, checked")
+    typer.echo(f"key        {key}: an OpenSSH private key (its public key must be registered with the SuperLink)")
+    subject = _check_superlink(superlink, root_certificates, timeout)
+    typer.echo(f"superlink  {superlink}: TLS handshake done, certificate of {subject} checked against {root_certificates}")
 
 
 @site_app.command("try")

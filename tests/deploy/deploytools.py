@@ -283,3 +283,47 @@ def write_overlay(root: Path, kustomization: str) -> Path:
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(kustomization)
     return overlay
+
+
+def values_leaves(tree: dict, free_form: set[str], prefix: str = "") -> list[str]:
+    """Dotted paths of the values a user sets (maps that are free-form count as one value)."""
+    leaves = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value and path not in free_form:
+            leaves += values_leaves(value, free_form, path + ".")
+        else:
+            leaves.append(path)
+    return leaves
+
+
+def commented_keys(text: str) -> dict[str, bool]:
+    """Dotted path of every key in a YAML file -> whether a comment line is right above it."""
+    found, stack, previous = {}, [], ""
+    for line in text.splitlines():
+        match = re.match(r"^( *)([A-Za-z0-9_.-]+):", line)
+        if match:
+            depth = len(match[1]) // 2
+            stack = stack[:depth] + [match[2]]
+            found[".".join(stack)] = previous.lstrip().startswith("#")
+        if line.strip():
+            previous = line
+    return found
+
+
+def assert_values_documented(chart: Path, free_form: set[str]) -> None:
+    """Every value of `chart` has a comment above it in values.yaml, a type in values.schema.json and a row in the
+    values table of its README.md."""
+    import json
+
+    text = (chart / "values.yaml").read_text()
+    comments = commented_keys(text)
+    schema = json.loads((chart / "values.schema.json").read_text())
+    readme = (chart / "README.md").read_text()
+    for leaf in values_leaves(yaml.safe_load(text), free_form):
+        assert comments[leaf], f"{leaf} has no comment above it in {chart.name}/values.yaml"
+        node = schema
+        for part in leaf.split("."):
+            node = node["properties"][part]
+        assert "type" in node or "$ref" in node, f"{leaf} has no type in {chart.name}/values.schema.json"
+        assert f"`{leaf}`" in readme, f"{leaf} is missing from the values table of charts/{chart.name}/README.md"

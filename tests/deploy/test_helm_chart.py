@@ -7,7 +7,18 @@ import re
 
 import pytest
 import yaml
-from deploytools import ALL_ON, CHART, CLUSTER, DASHBOARD_JSON, NAMESPACE, RELEASE, only, run_tool, schema_rejection
+from deploytools import (
+    ALL_ON,
+    CHART,
+    CLUSTER,
+    DASHBOARD_JSON,
+    NAMESPACE,
+    RELEASE,
+    assert_values_documented,
+    only,
+    run_tool,
+    schema_rejection,
+)
 
 from fedpipe.pipelines.builder import LAUNCHER_COMPONENT, POD_LABEL, RESOURCE_PARAMETERS
 from fedpipe.run.config import load_config
@@ -518,18 +529,6 @@ def test_the_kfp_backend_floor_is_stated():
     assert "2.5.0" in readme and "Kubeflow 1.10" in readme
 
 
-def values_leaves(tree: dict, prefix: str = "") -> list[str]:
-    """Dotted paths of the values a user sets (maps that are free-form count as one value)."""
-    leaves = []
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value and path not in FREE_FORM:
-            leaves += values_leaves(value, path + ".")
-        else:
-            leaves.append(path)
-    return leaves
-
-
 # Values whose content is a free-form map (Kubernetes objects, labels, the run config).
 FREE_FORM = {
     "runConfig", "register.resources", "podSecurityContext", "containerSecurityContext", "pushgateway.resources",
@@ -540,29 +539,5 @@ FREE_FORM = {
 }  # fmt: skip
 
 
-def commented_keys(text: str) -> dict[str, bool]:
-    """Dotted path of every key in a YAML file -> whether a comment line is right above it."""
-    found, stack, previous = {}, [], ""
-    for line in text.splitlines():
-        match = re.match(r"^( *)([A-Za-z0-9_.-]+):", line)
-        if match:
-            depth = len(match[1]) // 2
-            stack = stack[:depth] + [match[2]]
-            found[".".join(stack)] = previous.lstrip().startswith("#")
-        if line.strip():
-            previous = line
-    return found
-
-
 def test_every_value_is_commented_typed_and_in_the_readme():
-    text = (CHART / "values.yaml").read_text()
-    comments = commented_keys(text)
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    readme = (CHART / "README.md").read_text()
-    for leaf in values_leaves(yaml.safe_load(text)):
-        assert comments[leaf], f"{leaf} has no comment above it in values.yaml"
-        node = schema
-        for part in leaf.split("."):
-            node = node["properties"][part]
-        assert "type" in node or "$ref" in node, f"{leaf} has no type in values.schema.json"
-        assert f"`{leaf}`" in readme, f"{leaf} is missing from the values table of charts/fedpipe/README.md"
+    assert_values_documented(CHART, FREE_FORM)

@@ -31,6 +31,7 @@ from runs import train_all
 
 from fedpipe.data.files.init import init_manifest, write_manifest
 from fedpipe.data.partition import make_partition
+from fedpipe.federation.certs import make_tls
 from fedpipe.federation.tryout import LoopbackFederation, free_port
 from fedpipe.plots import census_heatmap
 from fedpipe.run.config import load_config
@@ -70,6 +71,14 @@ def own_files(tmp_path_factory, flower_env):
                               "--superlink", f"127.0.0.1:{fed.port}", "--root-certificates", str(fed.tls["ca_cert"]),
                               "--key", str(work / "sites" / name / "key" / f"{name}.key"),
                               "--state", str(work / "sites" / name / "state"), "--port", str(free_port())])
+        # `fedpipe site check` (the fedpipe-site chart's helm test) against the live SuperLink: with the federation's CA,
+        # and with a CA that did not sign the SuperLink's certificate
+        site_a = work / "sites" / SITES[0]
+        check_args = ["site", "check", "--data", str(site_a / "files"), "--superlink", f"127.0.0.1:{fed.port}",
+                      "--key", str(site_a / "key" / f"{SITES[0]}.key")]
+        checked = _fedpipe(*check_args, "--root-certificates", str(fed.tls["ca_cert"]))
+        other_ca = make_tls(work / "other-ca")["ca_cert"]
+        wrong_ca = _fedpipe(*check_args, "--root-certificates", str(other_ca))
         store = work / "fed-store"
         federated = [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}", f"run.store={store}",
                      f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.sites={len(SITES)}",
@@ -83,6 +92,7 @@ def own_files(tmp_path_factory, flower_env):
     out = store / "federated" / "federation"
     report = store / "federated" / "report"
     return dict(work=work, stdout=done.stdout, logs=logs, out=out, report=report, store=store, again=again.stdout,
+                checked=checked, wrong_ca=wrong_ca,
                 evaluation_2=json.loads((store / "federated-2" / "federation" / "evaluation.json").read_text()),
                 simulated={k: v.detach().cpu() for k, v in state.server.global_params.items()},
                 federated=safetensors.torch.load_file(str(out / "global.safetensors")), partition=partition, bundle=sim_run.bundle,
@@ -98,6 +108,16 @@ def test_sites_with_their_own_files_train_the_simulations_model(own_files):
     assert sim.keys() == fed.keys()
     for name in sim:
         torch.testing.assert_close(fed[name], sim[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_site_check_reaches_the_superlink_and_reads_only_the_sites_data(own_files):
+    """`fedpipe site check` (the fedpipe-site chart's helm test): the site's files, its key and a TLS handshake with the
+    live SuperLink, checked against the federation's CA; against a CA that did not sign the SuperLink's certificate it
+    fails, saying so."""
+    ok, bad = own_files["checked"], own_files["wrong_ca"]
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"site {SITES[0]}:" in ok.stdout and "TLS handshake done" in ok.stdout
+    assert bad.returncode != 0 and "does not check against" in bad.stderr and "other-ca" in bad.stderr, bad.stderr
 
 
 def test_census_is_the_simulations_partition(own_files, tmp_path):
