@@ -71,12 +71,41 @@ def loopback(tmp_path_factory, flower_env):
         result = fed.run(spec_file, work / "out", timeout=400)
         intruder_log = fed.log_of("intruder")
         intruder_exit = fed.procs["intruder"].poll()
+        before = fed._cli("supernode", "list", "fedpipe-tryout", "--format", "json").stdout
+        control = control_api_calls(fed, fed.certs / "sites" / "intruder.pub")
+        after = fed._cli("supernode", "list", "fedpipe-tryout", "--format", "json").stdout
     fed_seconds = time.perf_counter() - t0
     federated = safetensors.torch.load_file(str(work / "out" / "global.safetensors"))
     rounds = [json.loads(line) for line in (work / "out" / "rounds.jsonl").read_text().splitlines()]
     print(f"simulation {sim_seconds:.1f}s, loopback federation {fed_seconds:.1f}s (rounds: {[round(r['seconds'], 1) for r in rounds]})")
     return dict(simulated=simulated, federated=federated, result=result, rounds=rounds, work=work,
-                intruder_log=intruder_log, intruder_exit=intruder_exit, folders=folders)
+                intruder_log=intruder_log, intruder_exit=intruder_exit, folders=folders, control=control,
+                nodes_before=before, nodes_after=after)
+
+
+def control_api_calls(fed, public_key) -> dict[str, int]:
+    """Flower 1.42's Control API (`flwr run`, `flwr supernode register`) called as anyone who reaches the SuperLink's
+    port would: plain HTTPS, the CA's trust only, no credentials. Returns each call's HTTP status."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from cryptography.hazmat.primitives import serialization
+
+    pem = serialization.load_ssh_public_key(public_key.read_bytes()).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    register = b"\x0a" + bytes([len(pem)]) if len(pem) < 128 else b"\x0a" + bytes([len(pem) & 0x7F | 0x80, len(pem) >> 7])
+    bodies = {"/v1/control/list-nodes": b"", "/v1/control/register-node": register + pem}  # field 1: public_key (PEM)
+    context, status = ssl.create_default_context(cafile=str(fed.tls["ca_cert"])), {}
+    for path, body in bodies.items():
+        request = urllib.request.Request(f"https://127.0.0.1:{fed.port}{path}", data=body, method="POST",
+                                         headers={"Content-Type": "application/protobuf"})
+        try:
+            with urllib.request.urlopen(request, context=context, timeout=20) as r:
+                status[path] = r.status
+        except urllib.error.HTTPError as e:
+            status[path] = e.code
+    return status
 
 
 def test_fedavg_federated_equals_simulation(loopback):
@@ -100,6 +129,21 @@ def test_each_site_reads_only_its_own_folder(loopback):
         meta = json.loads((folder / "site.json").read_text())
         assert folder.name == f"site-{meta['client_id']}"
         assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "site.json"]  # FedAvg keeps no personal state
+
+
+def test_the_superlinks_port_also_serves_its_unauthenticated_control_api(loopback):
+    """What the deployment must guard (docs/federation.md, "Trust"): Flower 1.42 serves the Fleet, Control and Runtime
+    APIs on one port (flwr/superlink/main.py includes the control, fleet and runtime routers in one FastAPI app), and
+    without Flower's enterprise account auth the Control API checks no credentials (its noop authn plugin,
+    flwr/superlink/auth_plugin/noop_auth_plugin.py). So anyone who can reach the port sites dial can list the nodes
+    and register a key of their own (and submit a run, whose ServerApp code the SuperLink executes): exactly what
+    SuperNode authentication is meant to keep out. Sites must reach the SuperLink only through a filter that passes
+    /v1/fleet/ and nothing else; the try-out binds 127.0.0.1. This pins the upstream behaviour: if a Flower release
+    starts refusing these calls, this test says so and the guard can be revisited."""
+    assert loopback["control"] == {"/v1/control/list-nodes": 200, "/v1/control/register-node": 200}, loopback["control"]
+    before, after = (json.loads(loopback[k])["nodes"] for k in ("nodes_before", "nodes_after"))
+    new = [n for n in after if n["node-id"] not in {m["node-id"] for m in before}]
+    assert len(new) == 1 and new[0]["status"] == "registered", (before, after)  # registered by an anonymous caller
 
 
 def test_unregistered_site_is_refused(loopback):
