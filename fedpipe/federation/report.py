@@ -21,6 +21,7 @@ import csv
 import html
 import io
 import json
+from collections import Counter
 from pathlib import Path
 
 from fedpipe.errors import CorruptArtifactError
@@ -33,7 +34,8 @@ SITES_CSV_COLUMNS = ("client", "name", "train", "val", "test", "holdout", "accur
                      "holdout_samples", "rounds_answered", "rounds_failed", "opt_out")
 
 
-def _read(path: Path, what: str):
+def read_output(path: Path, what: str):
+    """One of the ServerApp's JSON outputs (a .jsonl: its lines), bounded and parsed as data."""
     if not path.exists():
         raise CorruptArtifactError(f"{path} is missing: the federated run did not finish its evaluation (see error.json "
                                    "beside it, or run it again)")
@@ -46,8 +48,8 @@ def _read(path: Path, what: str):
 
 def write_report(out: Path, report_dir: Path, title: str) -> dict:
     """The federated run's report (see the module's docstring); returns its summary."""
-    census, scores = _read(out / "census.json", "census"), _read(out / "evaluation.json", "site evaluation")
-    rounds = _read(out / "rounds.jsonl", "round log")
+    census, scores = read_output(out / "census.json", "census"), read_output(out / "evaluation.json", "site evaluation")
+    rounds = read_output(out / "rounds.jsonl", "round log")
     report_dir.mkdir(parents=True, exist_ok=True)
     summary = summarise(census, scores, rounds, title, out)
     images = {}
@@ -68,12 +70,10 @@ def summarise(census: dict, scores: dict, rounds: list[dict], title: str, out: P
     """The headline figures: the sites by name, each one's scores, the global model's accuracy over the sites' held-out
     shares (weighted by their sizes), per round the sites, failures and bytes; the privacy spent, when private."""
     names = {str(s["client_id"]): s["name"] for s in census["sites"]}
-    held = sum(s.get("holdout-samples", 0) for s in scores.values())
     summary = {
         "title": title, "mode": "federation", "sites": len(census["sites"]),
         "personalized_accuracy": sum(s["accuracy"] for s in scores.values()) / max(len(scores), 1),
-        "global_accuracy": (sum(s["holdout-accuracy"] * s["holdout-samples"] for s in scores.values() if "holdout-samples" in s) / held
-                            if held else None),
+        "global_accuracy": held_out_accuracy(scores),
         "rounds": len(rounds), "failed_clients": sum(r["failed"] for r in rounds),
         "bytes_up": sum(r["bytes_up"] for r in rounds), "bytes_down": sum(r["bytes_down"] for r in rounds),
         "per_site": {names.get(cid, cid): s for cid, s in scores.items()},
@@ -85,6 +85,14 @@ def summarise(census: dict, scores: dict, rounds: list[dict], title: str, out: P
         summary["privacy"] = {"epsilon": private[-1]["epsilon"], "delta": private[-1]["delta"], "clip": private[-1]["clip"],
                               "private_rounds": len(private), "mode": "federated"}
     return summary
+
+
+def held_out_accuracy(scores: dict, key: str = "holdout-accuracy") -> float | None:
+    """A global model's accuracy over the sites' held-out shares (the global test set), each site's figure `key`
+    weighted by its held-out samples; sites without it are left out; None when no site has it."""
+    reported = [s for s in scores.values() if key in s and s.get("holdout-samples")]
+    held = sum(s["holdout-samples"] for s in reported)
+    return sum(s[key] * s["holdout-samples"] for s in reported) / held if held else None
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -109,14 +117,8 @@ def summary_lines(summary: dict) -> list[str]:
 
 def sites_csv(census: dict, scores: dict, rounds: list[dict]) -> str:
     """sites.csv: one row per site, in client-id order (see SITES_CSV_COLUMNS)."""
-    answered: dict[str, int] = {}
-    for r in rounds:
-        for cid in r.get("reported", {}):
-            answered[cid] = answered.get(cid, 0) + 1
-    failed: dict[str, int] = {}
-    for r in rounds:
-        for rej in r.get("rejected", []):
-            failed[str(rej["client"])] = failed.get(str(rej["client"]), 0) + 1
+    answered = Counter(cid for r in rounds for cid in r.get("reported", {}))
+    failed = Counter(str(rej["client"]) for r in rounds for rej in r.get("rejected", []))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(SITES_CSV_COLUMNS)

@@ -25,12 +25,14 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 
+from fedpipe.algorithms.base import ServerState
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.federation.launch import federation_folder, report_folder
-from fedpipe.federation.report import MAX_OUTPUT_BYTES
+from fedpipe.federation.report import held_out_accuracy, read_output
 from fedpipe.federation.resume import CHECKPOINT
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.models.drop_check import EVALUATION_FILE, evaluation_bytes
@@ -38,12 +40,11 @@ from fedpipe.models.export import SPEC_FILE, SUFFIX, ServedFile, ServingSpec
 from fedpipe.models.gate import Decision, compare, settings_of
 from fedpipe.models.hub import sync_promoted
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
-from fedpipe.models.publish import STATE_FILE, finish_promotion, line_rows, outcome, registered
+from fedpipe.models.publish import REPORT_VERSIONS, STATE_FILE, finish_promotion, line_rows, outcome, registered
 from fedpipe.models.site_line import exporter, spec_standardisation
 from fedpipe.models.warm import state_limit_for
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
-from fedpipe.safe_load import parse_json
 from fedpipe.store import open_store
 
 log = logging.getLogger(__name__)
@@ -100,22 +101,13 @@ def champion_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] | N
     return version, dict(state.server.global_params)
 
 
-def _read(path: Path, what: str):
-    if not path.exists():
-        raise CorruptArtifactError(f"{path} is missing: the federated run did not finish (run it again)")
-    return parse_json(path.read_bytes()[: MAX_OUTPUT_BYTES + 1], str(path), what, MAX_OUTPUT_BYTES, CorruptArtifactError)
-
-
 def site_scores(evaluation: dict, census: dict, key: str) -> tuple[dict[str, float], float | None]:
     """Per site name the global model's accuracy on its held-out share (`key`: holdout-accuracy, or
     champion-holdout-accuracy for the promoted version's), and over all sites' held-out samples (weighted by their
     sizes); sites that did not report it are left out."""
     names = {str(s["client_id"]): str(s["name"]) for s in census["sites"]}
-    reported = {cid: s for cid, s in evaluation.items() if key in s and s.get("holdout-samples")}
-    per_site = {names.get(cid, cid): float(s[key]) for cid, s in reported.items()}
-    held = sum(s["holdout-samples"] for s in reported.values())
-    overall = sum(s[key] * s["holdout-samples"] for s in reported.values()) / held if held else None
-    return per_site, overall
+    per_site = {names.get(cid, cid): float(s[key]) for cid, s in evaluation.items() if key in s and s.get("holdout-samples")}
+    return per_site, held_out_accuracy(evaluation, key)
 
 
 def decide_federated(cfg, evaluation: dict, census: dict, line: ModelLine, champion: int | None) -> Decision:
@@ -137,7 +129,7 @@ def decide_federated(cfg, evaluation: dict, census: dict, line: ModelLine, champ
     if not shared:
         raise ConfigError(f"no site scored the promoted version {champion} (see the sites' logs): the gate cannot decide. Nothing "
                           "was registered or promoted; run again.")
-    _, shared_overall = site_scores({cid: s for cid, s in evaluation.items() if "champion-holdout-accuracy" in s}, census, "holdout-accuracy")
+    shared_overall = held_out_accuracy({cid: s for cid, s in evaluation.items() if "champion-holdout-accuracy" in s})
     decision = compare(Scores(shared, shared_overall), Scores(theirs, champ_overall), champion, registry, new_clients=(),
                        check_note=DROP_CHECK_NOTE)
     held = sum(int(s.get("holdout-samples", 0)) for s in evaluation.values() if "champion-holdout-accuracy" in s)
@@ -150,7 +142,7 @@ def publish_federated(cfg, summary: dict, champion: int | None) -> dict:
     `champion`: the version the sites scored (`champion_for`), None when nothing was promoted at the start."""
     line, run = _line(cfg), Run(cfg)
     out, report = federation_folder(cfg), report_folder(cfg)
-    census, evaluation = _read(out / "census.json", "census"), _read(out / "evaluation.json", "site evaluation")
+    census, evaluation = read_output(out / "census.json", "census"), read_output(out / "evaluation.json", "site evaluation")
     record = registered(line, run.layout.run_id)
     reused = record is not None
     if record is None:
@@ -171,7 +163,7 @@ def publish_federated(cfg, summary: dict, champion: int | None) -> dict:
         result["kubeflow_hub"] = hub
     if reused:
         result["reused"] = True
-    page = model_line_markdown(line.name, line_rows(line), result["promoted_version"], line.history()[-50:], record.decision)
+    page = model_line_markdown(line.name, line_rows(line), result["promoted_version"], line.history()[-REPORT_VERSIONS:], record.decision)
     (report / "model_line.md").write_text(page)
     return {**result, "report": str(report / "model_line.md")}
 
@@ -180,10 +172,6 @@ def _version_files(run_id: str, spec: FederationSpec, census: dict, evaluation: 
                    decision: Decision) -> tuple[dict[str, bytes], tuple]:
     """The version's files: the global model exported for serving, its serving spec, state.pt (the server's final
     state: the checkpoint, which holds no client's state), and the sites' own figures (what a later drop check reads)."""
-    import safetensors.torch
-
-    from fedpipe.algorithms.base import ServerState
-
     algorithm, _ = spec.build(torch.device("cpu"))
     server = ServerState(safetensors.torch.load_file(str(out / "global.safetensors"), device="cpu"))
     glob = algorithm.global_model(server)

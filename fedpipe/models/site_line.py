@@ -47,9 +47,7 @@ def register_site_models(folder: str | Path) -> tuple[ModelLine, VersionRecord]:
     folder = Path(folder).resolve()
     latest = _latest(folder)
     spec = FederationSpec.from_json(str(latest["spec"]))
-    if not spec.site_data:
-        raise ConfigError(f"{folder} is a try-out folder of exported tensors, standardised with the simulation's statistics: only "
-                          "a site with its own files (`fedpipe site join --data`) serves raw inputs")
+    mean, std = spec_standardisation(spec)  # refuses a try-out folder of exported tensors: only own files serve raw inputs
     cpu = torch.device("cpu")
     name, client_id, chosen = str(latest["name"]), int(latest["client_id"]), int(latest["chosen"])
     run_key = f"{Site._run_key(spec)}-{name}"
@@ -61,7 +59,6 @@ def register_site_models(folder: str | Path) -> tuple[ModelLine, VersionRecord]:
     server = ServerState(safetensors.torch.load_file(str(folder / SERVED / GLOBAL), device="cpu"))
     names = [p.name for p in spec.phases()]
     state = _state(folder, spec, names)
-    mean, std = spec_standardisation(spec)
     files: dict[str, bytes] = {}
     export = exporter(algorithm, spec, mean, std)
     global_file = None
