@@ -91,6 +91,9 @@ def resolve_config(
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     # a user's own data: the drop read and its snapshot pinned; a warm start's `promoted`: the version it names now
     cfg = pin_init_from(with_data_snapshot(load_config(path)))
+    if method and cfg.engine.mode == "federation":  # only the benchmark names a method here
+        raise ConfigError("engine.mode=federation: the benchmark pipeline compares simulated runs on one partition; run each "
+                          "method's own pipeline with engine_mode=federation instead")
     path.write_text(cfg.to_yaml())
     if cfg.run.id is None:
         cfg = load_config(path, [f"run.id={cfg.run_id()}-{job_id}"])
@@ -318,7 +321,14 @@ def publish(config_path: str, evaluated_run: str, global_path: str, clients_path
     if evaluated_run != run.layout.run_id:
         raise CorruptArtifactError(f"The evaluate task evaluated run {evaluated_run!r}, but this task's config is run "
                                    f"{run.layout.run_id!r}: the artifacts belong to another run. Rerun the pipeline.")
-    result = publish_run(run)
+    if run.cfg.engine.mode == "federation":  # the global model only, gated on the sites' scores (fedpipe.models.federated)
+        from fedpipe.models.federated import publish_federated, scored_champion
+
+        result = (publish_federated(run.cfg, read_store_json(run.store, run.layout.report("summary.json"), "run summary", SUMMARY_LIMIT,
+                                                             CorruptArtifactError, "Run the pipeline again."), scored_champion(run.cfg))
+                  if run.cfg.registry.name else {"published": False, "reason": "registry.name is empty: the run's models are not registered"})
+    else:
+        result = publish_run(run)
     Path(clients_path).mkdir(parents=True, exist_ok=True)
     Path(global_path).parent.mkdir(parents=True, exist_ok=True)
     if not result["published"]:

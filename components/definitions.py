@@ -55,14 +55,16 @@ def resolve_config_component(defaults: dict[str, object]) -> Callable:
     signature = ",\n        ".join(["base_config: str", "defaults: dict", "overrides: list", "method: str", "job_id: str",
                                      "config: Output[Artifact]", *params])
     source = f'''def resolve_config(
-        {signature}):
-    """Validate the run's config (base YAML, changed fields, KEY=VALUE overrides) before anything runs."""
+        {signature}) -> str:
+    """Validate the run's config (base YAML, changed fields, KEY=VALUE overrides) before anything runs. Returns its
+    engine.mode (simulation or federation), which chooses the pipeline's branch."""
     from fedpipe.components import bodies
 
     given = locals()
     fields = {{dotted: given[dotted.replace(".", "_")] for dotted in defaults}}
     cfg = bodies.resolve_config(base_config, fields, defaults, overrides, job_id, config.path, method=method or None)
-    config.metadata.update({{"run_id": cfg.run_id(), "method": cfg.method.name, "dataset": cfg.data.dataset}})
+    config.metadata.update({{"run_id": cfg.run_id(), "method": cfg.method.name, "dataset": cfg.data.dataset, "mode": cfg.engine.mode}})
+    return cfg.engine.mode
 '''
     return _generated("resolve_config", source)
 
@@ -170,6 +172,46 @@ def publish(config: Input[Artifact], evaluated_run: str, decision: Output[Metric
                 decision.log_metric(f"{side}_{result['metric']}", float(result[side]))
 
 
+def federated_census(config: Input[Artifact], census: Output[HTML]) -> str:
+    """Federation mode: wait for the sites the config names (federation.sites, federation.site_names; a timeout names
+    the missing ones) and take their census at the SuperLink: names, split sizes, label counts (withheld with privacy
+    on). Returns the sites' names, comma-separated. (components/federated.py has the federation tasks' work.)"""
+    from fedpipe.components import federated
+
+    return federated.census(config.path, census.path)
+
+
+def federated_phase(config: Input[Artifact], phase: str, census: str, state: Output[Artifact], metrics: Output[Metrics],
+                    previous: Input[Artifact] = None):
+    """Federation mode: one training phase, its rounds trained at the sites (this task needs no GPU); every finished
+    round goes to the run's telemetry (clients = the sites that answered). `state`: the stage's result (phase, last
+    round, sites); the server's checkpoint stays in the run's store. `census`: the sites that answered it."""
+    from fedpipe.components import federated
+
+    last = federated.phase(config.path, phase, previous.path if previous is not None else None, state.path)
+    state.metadata.update({"phase": phase, "round": int(last.get("round") or 0), "sites": census})
+    for key in ("train_loss", "clients", "failed_clients", "bytes_uploaded", "bytes_downloaded"):
+        if last.get(key) is not None:
+            metrics.log_metric({"clients": "sites_answered", "failed_clients": "sites_failed"}.get(key, key), float(last[key]))
+
+
+def federated_evaluate(config: Input[Artifact], state: Input[Artifact], metrics: Output[Metrics], report: Output[HTML],
+                       summary: Output[Markdown]) -> str:
+    """Federation mode: each site scores its models on its own splits (with registry.name also the model line's
+    promoted global model, for the gate); the run's report. Returns the run id (where the store keeps the report)."""
+    from fedpipe.components import federated
+
+    result = federated.evaluate(config.path, state.path, report.path, summary.path)
+    metrics.log_metric("personalized_accuracy", float(result["personalized_accuracy"]))
+    metrics.log_metric("sites", float(result["sites"]))
+    if result.get("global_accuracy") is not None:
+        metrics.log_metric("global_accuracy", float(result["global_accuracy"]))
+    if result.get("privacy"):
+        metrics.log_metric("epsilon", float(result["privacy"]["epsilon"]))
+    return result["run_id"]
+
+
+FEDERATED_FUNCTIONS = (federated_census, federated_phase, federated_evaluate)
 FIXED_FUNCTIONS = (partition, train_phase, launch_phase_job, evaluate, publish)
 
 
@@ -181,6 +223,9 @@ class Components:
     launch_phase_job: object
     evaluate: object
     publish: object
+    federated_census: object
+    federated_phase: object
+    federated_evaluate: object
     compare: object  # None in a pipeline with no comparison
 
 
@@ -194,7 +239,7 @@ def build(image: str, training_image: str, fields: dict[str, object], methods: l
         chosen = training_image if f is train_phase else image
         return dsl.component(base_image=chosen, install_kfp_package=False)(f)
 
-    fixed = {f.__name__: decorate(f) for f in FIXED_FUNCTIONS}
+    fixed = {f.__name__: decorate(f) for f in (*FIXED_FUNCTIONS, *FEDERATED_FUNCTIONS)}
     compare = decorate(compare_component(methods)) if methods else None
     return Components(resolve_config=decorate(resolve_config_component(fields)), compare=compare, **fixed)
 
@@ -205,7 +250,7 @@ def compile_components(folder: Path, image: str, training_image: str, fields: di
     built = build(image, training_image, fields, methods)
     Path(folder).mkdir(parents=True, exist_ok=True)
     paths = []
-    for name in ("resolve_config", *(f.__name__ for f in FIXED_FUNCTIONS), "compare"):
+    for name in ("resolve_config", *(f.__name__ for f in (*FIXED_FUNCTIONS, *FEDERATED_FUNCTIONS)), "compare"):
         path = Path(folder) / f"{name}.yaml"
         compiler.Compiler().compile(getattr(built, name), str(path))
         paths.append(path)

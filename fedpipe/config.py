@@ -397,6 +397,10 @@ class FederationConfig(Section):
     """The CA certificate (PEM file) the SuperLink's certificate is checked against; TLS is always on."""
     sites: Annotated[int, Field(ge=1, le=MAX_CLIENTS)] | None = None
     """How many sites the run waits for before its first round (None: partition.num_clients)."""
+    site_names: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(default_factory=list, max_length=MAX_CLIENTS)
+    """The sites the run waits for, by the client name each site's data gives it (its fedpipe-data.yaml; `site-K` for
+    a try-out folder). The census waits until each has answered, a timeout names the missing ones, and a site not named
+    is left out of the run. Empty: any `sites` sites."""
     connect_timeout: float = Field(300, gt=0, le=86_400)
     """Seconds the run waits for the sites to connect and answer the census."""
     round_timeout: float = Field(300, gt=0, le=86_400)
@@ -405,6 +409,16 @@ class FederationConfig(Section):
     rejoin_wait: float = Field(0, ge=0, le=86_400)
     """Seconds a round waits at its start for a chosen site that is not connected (a site restarting)."""
     secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
+
+    @model_validator(mode="after")
+    def _names_and_count(self):
+        twice = sorted({n for n in self.site_names if self.site_names.count(n) > 1})
+        if twice:
+            raise ValueError(f"federation.site_names names {', '.join(twice)} twice: each site once")
+        if self.site_names and self.sites is not None and self.sites != len(self.site_names):
+            raise ValueError(f"federation.sites={self.sites} but federation.site_names names {len(self.site_names)} sites: "
+                             "give one of them, or make them agree")
+        return self
 
 
 class PrivacyConfig(Section):

@@ -66,11 +66,15 @@ RESOURCE_PARAMETERS: dict[str, str] = {
     "step_memory_request": "1Gi",
     "step_memory_limit": "8Gi",
 }
+TRAINING_RESOURCES = ("accelerator_type", "accelerator_count", "cpu_request", "cpu_limit", "memory_request", "memory_limit")
+STEP_RESOURCES = ("step_cpu_request", "step_cpu_limit", "step_memory_request", "step_memory_limit")
 # Where to place the training tasks' pods (kfp-kubernetes reads these as JSON parameters).
 PLACEMENT_PARAMETERS: dict[str, tuple[type, object]] = {"node_selector": (dict, {}), "tolerations": (list, [])}
 
 # A Kubernetes quantity (k8s.io/apimachinery resource.ParseQuantity), e.g. 500m, 2, 1.5, 4Gi, 1e3.
 _QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+# Where a federation task finds the federation's CA certificate (DeployOptions.federation_ca_secret's ca.crt).
+FEDERATION_CA_DIR = "/etc/fedpipe/federation-ca"
 # The label on every task pod of a fedpipe pipeline: what the chart's NetworkPolicy selects.
 POD_LABEL = ("app.kubernetes.io/part-of", "fedpipe")
 # The user every task's container runs as: the image's USER (images/Dockerfile).
@@ -152,6 +156,12 @@ class DeployOptions:
     # (Kueue's `pod` integration admits each pod), a distributed phase's PyTorchJob / TrainJob carries it on the
     # job object; the CPU steps and the launcher task are not queued. Empty: nothing is queued.
     kueue_queue: str = ""
+    # Federation mode (engine.mode=federation, a run parameter): the SuperLink's control address the federation tasks
+    # submit to (the default of the run parameter federation_superlink; the chart's `<release>-superlink-control:9091`),
+    # and the Secret whose ca.crt the SuperLink's certificate is checked against, mounted into those tasks at
+    # FEDERATION_CA_DIR (empty: none mounted; federation.root_certificates must then name a file the image has).
+    federation_superlink: str = ""
+    federation_ca_secret: str = ""
 
     def __post_init__(self) -> None:
         for flag, url in (("--pushgateway", self.pushgateway), ("--s3-endpoint", self.s3_endpoint)):
@@ -171,6 +181,11 @@ class DeployOptions:
             if not value or any(c.isspace() for c in value) or (what != "--image-repository" and (":" in value or "/" in value)):
                 raise ConfigError(f"{what} {value!r} is not valid: a repository looks like ghcr.io/fedpipe/fedpipe, a tag like 0.1.0.")
         resource_defaults(self.resources)
+        if self.federation_ca_secret and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.federation_ca_secret):
+            raise ConfigError(f"--federation-ca-secret {self.federation_ca_secret!r} is not a Kubernetes Secret name.")
+        if self.federation_superlink and not re.fullmatch(r"[A-Za-z0-9.\-]+:[0-9]{1,5}", self.federation_superlink):
+            raise ConfigError(f"--federation-superlink {self.federation_superlink!r} is not HOST:PORT (the chart's SuperLink control "
+                              "Service, e.g. fedpipe-superlink-control:9091).")
         if not QUEUE_NAME.fullmatch(self.kueue_queue):
             raise ConfigError(f"--kueue-queue {self.kueue_queue!r} is not a Kueue LocalQueue name (lower-case letters, digits, '-' "
                               "and '.', at most 63 characters; `kubectl get localqueues -n NAMESPACE` lists them).")
@@ -286,11 +301,13 @@ def _resolve_task(c: Components, v: dict, fields: dict, method: str):
 
 
 def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, manifest, method: str | None,
-                   publish: bool = False) -> object:
-    """resolve config -> phase tasks -> evaluate (-> publish) for one method; returns the evaluate task."""
-    resolve = _resolve_task(c, v, fields, method or "").set_display_name(f"config {method}" if method else "config")
-    _step(resolve, v, options)
-    config = resolve.outputs["config"]
+                   publish: bool = False, config=None) -> object:
+    """resolve config (unless `config` is resolved already) -> partition (unless `manifest`) -> phase tasks -> evaluate
+    (-> publish) for one method, simulated; returns the evaluate task."""
+    if config is None:
+        resolve = _resolve_task(c, v, fields, method or "").set_display_name(f"config {method}" if method else "config")
+        _step(resolve, v, options)
+        config = resolve.outputs["config"]
     if manifest is None:
         part = c.partition(config=config).set_display_name("partition")
         _step(part, v, options)
@@ -309,6 +326,9 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
             task.set_accelerator_type(v["accelerator_type"]).set_accelerator_limit(v["accelerator_count"])
             task.set_cpu_request(v["cpu_request"]).set_cpu_limit(v["cpu_limit"])
             task.set_memory_request(v["memory_request"]).set_memory_limit(v["memory_limit"])
+            # kfp 2.17's resource setters do not register the parameters they name as the task's channels, so a DAG
+            # around the task (the simulation branch) would not get them as inputs (as in pipelines/study.py)
+            task.register_pipeline_channels([v[k] for k in TRAINING_RESOURCES])
             kubernetes.add_node_selector_json(task, v["node_selector"])
             kubernetes.add_toleration_json(task, v["tolerations"])
             queue(task, options)
@@ -320,6 +340,35 @@ def _method_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfi
     if publish:  # after evaluate: its output (the run id) is the publish task's input
         _step(c.publish(config=config, evaluated_run=evaluate.outputs["Output"]).set_display_name("publish"), v, options)
     return evaluate
+
+
+def _federated_branch(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, config) -> None:
+    """census -> one task per phase -> evaluate -> publish, each a stage of the run at the SuperLink
+    (components/federated.py). CPU tasks: the sites train. A phase task is retried like a simulated one (the
+    ServerApp resumes from its checkpoint in the store)."""
+    census = c.federated_census(config=config).set_display_name("census of the sites")
+    _federation_step(census, v, options)
+    previous = None
+    for phase in phases_of(cfg.method, cfg.train.rounds):
+        inputs = {"previous": previous} if previous is not None else {}
+        task = c.federated_phase(config=config, phase=phase.name, census=census.outputs["Output"], **inputs)
+        task.set_display_name(f"{phase.name} at the sites")
+        _federation_step(task, v, options)
+        task.set_retry(options.retries)
+        previous = task.outputs["state"]
+    evaluate = c.federated_evaluate(config=config, state=previous).set_display_name("evaluate at the sites")
+    _federation_step(evaluate, v, options)
+    _step(c.publish(config=config, evaluated_run=evaluate.outputs["Output"]).set_display_name("publish"), v, options)
+
+
+def _federation_step(task, v: dict, options: DeployOptions) -> None:
+    """A federation task: a step's resources and store, and the federation's CA certificate mounted read-only."""
+    _step(task, v, options)
+    if options.federation_ca_secret:
+        kubernetes.use_secret_as_volume(task, secret_name=options.federation_ca_secret, mount_path=FEDERATION_CA_DIR)
+        for entry in task.platform_config["kubernetes"]["secretAsVolume"]:  # as for secretAsEnv in _storage: 2.15+ protos only
+            if entry.get("optional") is False:
+                del entry["optional"]
 
 
 def queue(task, options: DeployOptions) -> None:
@@ -334,6 +383,7 @@ def _step(task, v: dict, options: DeployOptions) -> None:
     the step_* resource parameters."""
     task.set_cpu_request(v["step_cpu_request"]).set_cpu_limit(v["step_cpu_limit"])
     task.set_memory_request(v["step_memory_request"]).set_memory_limit(v["step_memory_limit"])
+    task.register_pipeline_channels([v[k] for k in STEP_RESOURCES])  # see the training task's note in _method_branch
     _storage(task, options)
 
 
@@ -373,9 +423,15 @@ def _deployed(cfg: RunConfig, options: DeployOptions, name: str) -> RunConfig:
     store = cfg.run.store if cfg.run.store.startswith("s3://") else options.store
     # the Pushgateway becomes the run parameter telemetry_pushgateway (settable in the UI; empty: no push)
     pushgateway = cfg.telemetry.pushgateway or options.pushgateway or ""
+    federation = {}
+    if options.federation_superlink:
+        federation["superlink"] = options.federation_superlink
+    if options.federation_ca_secret:
+        federation["root_certificates"] = f"{FEDERATION_CA_DIR}/ca.crt"
     return cfg.model_copy(update={
         "run": cfg.run.model_copy(update={"store": store}),
         "telemetry": cfg.telemetry.model_copy(update={"pipeline": name, "pushgateway": pushgateway}),
+        "federation": cfg.federation.model_copy(update=federation),
     })
 
 
@@ -390,10 +446,16 @@ def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) ->
 
     def body(*args, **kwargs):
         v = _bind(signature, args, kwargs)
-        _method_branch(c, v, options, cfg, fields, None, None, publish=True)
+        resolve = _resolve_task(c, v, fields, "").set_display_name("config")
+        _step(resolve, v, options)
+        with dsl.If(resolve.outputs["Output"] == "federation", name="federation"):
+            _federated_branch(c, v, options, cfg, resolve.outputs["config"])
+        with dsl.Else(name="simulation"):
+            _method_branch(c, v, options, cfg, fields, None, None, publish=True, config=resolve.outputs["config"])
 
     return _as_pipeline(body, signature, name, f"{cfg.method.name}: {ALGORITHMS[cfg.method.name].paper}. "
-                        "Partition, one task per training phase, evaluation, publication in the model line.")
+                        "Simulation (engine_mode): partition, one task per training phase, evaluation; federation: the sites' "
+                        "census, one task per phase trained at the sites, their evaluation. Then publication in the model line.")
 
 
 def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOptions = DeployOptions()) -> Callable:

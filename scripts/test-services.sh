@@ -4,6 +4,8 @@
 #   - the real Fashion-MNIST (Debian package dataset-fashion-mnist, 30 MB: the four original idx .gz files
 #     under /usr/share/datasets/fashion-mnist/, which tests/test_idx.py trains on for a few seconds);
 #   - the S3-compatible test server `moto_server` (pip, the `test` extra of fedpipe);
+#   - nginx (Debian package nginx-light, as in the image): tests/deploy/test_superlink_chart.py runs the chart's
+#     SuperLink filter config in the real nginx in front of a real flower-superlink;
 #   - what draws the documentation site's pictures (tests/test_docs_site.py builds it): Graphviz's `dot` and
 #     Chromium (Debian packages graphviz, chromium), and the DejaVu fonts both draw text with.
 # Usage: scripts/test-services.sh [--docs]   (--docs: only the documentation's tools, for `make docs`)
@@ -47,6 +49,7 @@ fi
 missing=("${docs_missing[@]}")
 have_bin prometheus || missing+=(prometheus)
 have_bin prometheus-pushgateway || missing+=(prometheus-pushgateway)
+have_bin nginx || missing+=(nginx-light)
 FASHION_MNIST=/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 [ -f "$FASHION_MNIST" ] || missing+=(dataset-fashion-mnist)
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -65,7 +68,7 @@ if [ ! -x "$(dirname "$PY")/moto_server" ]; then
   "$PY" -m pip install -q --disable-pip-version-check "moto[server]>=5"
 fi
 
-for b in prometheus prometheus-pushgateway dot chromium; do
+for b in prometheus prometheus-pushgateway nginx dot chromium; do
   have_bin "$b" || { echo "test-services.sh: $b is still missing after apt-get install." >&2; exit 1; }
 done
 [ -f "$FASHION_MNIST" ] || { echo "test-services.sh: $FASHION_MNIST is still missing after apt-get install dataset-fashion-mnist." >&2; exit 1; }

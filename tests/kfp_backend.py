@@ -447,8 +447,16 @@ def _run_dag(spec: dict, dag: dict, dag_inputs: dict, version: str, rng: random.
             produced[name], runs[run_name] = loop, loop
             finished[name] = upstream | {run_name} | (set(runs) - known)
             continue
-        if "dag" in component:
-            raise BackendError(f"{run_name}: nested DAGs other than ParallelFor are not in this model; extend it before shipping one")
+        if "dag" in component:  # a condition's DAG (dsl.If / dsl.Else, and the branches' DAG around them)
+            values = _resolve_task_inputs(task, component, dag_inputs, produced, run_name, version)
+            condition = task.get("triggerPolicy", {}).get("condition")
+            known = set(runs)
+            if condition and not condition_holds(condition, values, run_name):
+                produced[name] = {}  # skipped: the driver records Condition=false and Argo runs none of its tasks
+            else:
+                produced[name] = _run_dag(spec, component, values, version, rng, runs, run_name + "/", upstream, outputs)
+            finished[name] = upstream | (set(runs) - known)
+            continue
         container = executors[component["executorLabel"]]["container"]
         values = _resolve_task_inputs(task, component, dag_inputs, produced, run_name, version)
         executor_input = _executor_input(values, component)
@@ -461,6 +469,25 @@ def _run_dag(spec: dict, dag: dict, dag_inputs: dict, version: str, rng: random.
         runs[run_name] = TaskRun(run_name, received, _pod_resources(container, executor_input), produced[name], upstream)
         finished[name] = upstream | {run_name}
     return produced
+
+
+_CONDITION = re.compile(r"inputs\.parameter_values\['([^']+)'\] (==|!=) '([^']*)'")
+
+
+def condition_holds(condition: str, values: dict, name: str) -> bool:
+    """The DAG driver's trigger condition (2.5.0 driver.go DAG and 2.17.0 dag.go: expression.Condition, a CEL program over
+    the task's resolved inputs, `inputs.parameter_values[...]`). The model evaluates the forms kfp's dsl.If / dsl.Else
+    compile to: `inputs.parameter_values['K'] == 'V'` (or !=), and `!( ... )` of one; anything else is refused."""
+    text = condition.strip()
+    if text.startswith("!(") and text.endswith(")"):
+        return not condition_holds(text[2:-1], values, name)
+    match = _CONDITION.fullmatch(text)
+    if not match:
+        raise BackendError(f"{name}: condition {condition!r} is not a form this model evaluates; extend it before shipping one")
+    key, op, literal = match.groups()
+    if key not in values:
+        raise BackendError(f"{name}: condition reads {key!r}, which the task's inputs do not have")
+    return (values[key] == literal) == (op == "==")
 
 
 def _run_loop(spec: dict, task: dict, component: dict, dag_inputs: dict, produced: dict, version: str, rng: random.Random,
@@ -551,3 +578,30 @@ def unknown_platform_fields(config: dict, version: str) -> list[str]:
             items = [x for item in items for x in item.get(sub, [])]
         problems += [f"{path}.{key}" for item in items for key in item if key not in fields]
     return problems
+
+
+def flat_tasks(spec: dict) -> dict[str, dict]:
+    """Every container task of a compiled pipeline by name: the root DAG's and those inside its condition DAGs (dsl.If /
+    dsl.Else; kfp names every task uniquely in the pipeline). A condition's DAG passes a root parameter P on as its own
+    input `pipelinechannel--P`; here such an input reads P again, so that a check written against root tasks reads the
+    root's parameters as the driver, one DAG at a time, ends up doing (`run_pipeline` models that chain itself)."""
+    root = spec["root"].get("inputDefinitions", {}).get("parameters", {})
+    out: dict[str, dict] = {}
+
+    def visit(dag: dict, nested: bool) -> None:
+        for name, task in dag["dag"]["tasks"].items():
+            component = spec["components"][task["componentRef"]["name"]]
+            if "dag" in component:
+                visit(component, True)
+                continue
+            if name in out:
+                raise BackendError(f"task name {name} appears twice in the pipeline")
+            task = json.loads(json.dumps(task))
+            for value in task.get("inputs", {}).get("parameters", {}).values():
+                source = value.get("componentInputParameter", "")
+                if nested and source.startswith("pipelinechannel--") and source.removeprefix("pipelinechannel--") in root:
+                    value["componentInputParameter"] = source.removeprefix("pipelinechannel--")
+            out[name] = task
+
+    visit(spec["root"], False)
+    return out

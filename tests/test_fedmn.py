@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from kfp_backend import flat_tasks
 from runs import small_run
 
 from fedpipe.algorithms import ALGORITHMS
@@ -365,7 +366,7 @@ def test_fedmn_is_registered_and_its_pipeline_comes_from_the_phase_list(tmp_path
     with pytest.raises(ConfigError, match="hidden"):
         load_config(None, ["method.name=fedmn", "method.units=[2,2,2]", "method.hidden=[64]"])
     spec = next(yaml.safe_load_all(compile_pipeline(method_pipeline(load_config(None, ["method.name=fedmn"])), tmp_path / "p.yaml").read_text()))
-    tasks = spec["root"]["dag"]["tasks"].values()
+    tasks = flat_tasks(spec).values()
     training = [t["inputs"]["parameters"]["phase"]["runtimeValue"]["constant"] for t in tasks
                 if t["componentRef"]["name"].startswith("comp-train-phase")]
     assert training == ["federation"]

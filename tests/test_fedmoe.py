@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from kfp_backend import flat_tasks
 from runs import SMALL, assert_same_params, small_run
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -218,7 +219,7 @@ def test_one_pipeline_task_per_phase_without_new_pipeline_code(tmp_path):
 
     cfg = load_config(None, ["method.name=fedmoe"])
     spec = next(yaml.safe_load_all(compile_pipeline(method_pipeline(cfg), tmp_path / "fedmoe.yaml").read_text()))
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = flat_tasks(spec)
     training = {t["inputs"]["parameters"]["phase"]["runtimeValue"]["constant"]: t for t in tasks.values()
                 if t["componentRef"]["name"].startswith("comp-train-phase")}
     assert sorted(training) == ["federation", "gate", "specialists"]

@@ -27,6 +27,7 @@ import kfp
 import pytest
 import yaml
 from kfp_api_standin import KfpApiStandIn
+from kfp_backend import flat_tasks
 from typer.testing import CliRunner
 
 import fedpipe
@@ -103,7 +104,7 @@ def spec_docs(content: bytes) -> tuple[dict, dict]:
 
 def phases(spec: dict) -> list[str]:
     """The training phases of a compiled pipeline, in the order the DAG runs them."""
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = flat_tasks(spec)
     train = {name: t for name, t in tasks.items() if t["componentRef"]["name"].startswith("comp-train-phase")}
     order, done = [], set()
     while len(order) < len(train):
@@ -131,7 +132,7 @@ def test_register_uploads_the_pipeline_once_and_adds_a_version_per_config(kfp_ap
     spec, platform = spec_docs(content)
     assert spec["pipelineInfo"]["name"] == "fedpipe-fedavg"
     assert spec["schemaVersion"].startswith("2.")
-    assert {"resolve-config", "partition", "train-phase", "evaluate"} <= set(spec["root"]["dag"]["tasks"])
+    assert {"resolve-config", "partition", "train-phase", "evaluate"} <= set(flat_tasks(spec))
     assert phases(spec) == ["federation"]
     assert set(spec["deploymentSpec"]["executors"]) >= {"exec-train-phase", "exec-evaluate"}
     assert "kubernetes" in platform["platforms"]

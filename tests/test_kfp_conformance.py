@@ -19,6 +19,7 @@ from kfp_backend import (
     RANDOM_ORDER,
     BackendError,
     LoopRun,
+    made_up_outputs,
     pb_value_to_string,
     resolve_container_args,
     run_pipeline,
@@ -26,12 +27,32 @@ from kfp_backend import (
     unresolved,
 )
 
+from fedpipe.algorithms import phases_of
 from fedpipe.pipelines.builder import _QUANTITY, MIN_KFP_BACKEND, RESOURCE_PARAMETERS, SHIPPED, TASK_USER, DeployOptions
 from fedpipe.pipelines.study import STUDY_MIN_KFP
+from fedpipe.run.config import load_config
 
 PIPELINES = sorted(p.name for p in SHIPPED.glob("*.yaml"))
 ORDERS = 40  # random launcher orders per pipeline under 2.5.0; the old config task failed in ~97% of them
 FLOORS = {"study.yaml": STUDY_MIN_KFP}  # the oldest backend each shipped pipeline runs on (default MIN_KFP_BACKEND)
+# A method's pipeline branches on its config task's output, the run's engine.mode (dsl.If / dsl.Else): each branch is
+# run through the model. The benchmark and the study have one branch (simulation).
+CASES = [(n, m) for n in PIPELINES for m in (("simulation",) if n in ("benchmark.yaml", "study.yaml") else ("simulation", "federation"))]
+
+
+def _base(task) -> str:
+    """A task's own name (inside a condition's DAG its run name is `<branches>/<condition>/<task>`)."""
+    return task.name.rsplit("/", 1)[-1]
+
+
+def _mode_outputs(mode: str):
+    """The model's made-up outputs, except the config task's: the run's engine.mode, which picks the branch."""
+
+    def outputs(run_name: str, component: dict, parameters: dict) -> dict:
+        made = made_up_outputs(run_name, component, parameters)
+        return {**made, "Output": mode} if run_name.rsplit("/", 1)[-1].startswith("resolve-config") and "Output" in made else made
+
+    return outputs
 
 
 def _runs_on_2_5(name: str) -> bool:
@@ -69,11 +90,12 @@ def _changed_arguments(spec: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", PIPELINES)
-def test_every_task_receives_resolved_identical_inputs_on_every_backend(name):
+@pytest.mark.parametrize(("name", "mode"), CASES)
+def test_every_task_receives_resolved_identical_inputs_on_every_backend(name, mode):
     spec, _ = _load(SHIPPED / name)
     arguments = _changed_arguments(spec)
-    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
+    outputs = _mode_outputs(mode)
+    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0), outputs)
     for task in reference.values():
         assert not unresolved(task.parameters), f"{name}: {task.name} receives placeholders under 2.14+: {unresolved(task.parameters)}"
     if not _runs_on_2_5(name):  # its floor is 2.14.0: the 2.5.0 driver cannot resolve dsl.Collected
@@ -82,7 +104,7 @@ def test_every_task_receives_resolved_identical_inputs_on_every_backend(name):
         return
     rng = random.Random(20)
     for _ in range(ORDERS):
-        runs = run_pipeline(spec, arguments, RANDOM_ORDER, rng)
+        runs = run_pipeline(spec, arguments, RANDOM_ORDER, rng, outputs)
         for task_name, task in runs.items():
             left = unresolved(task.parameters)
             assert not left, f"{name}: under KFP 2.5.0 task {task_name} receives literal placeholders: {left[:3]}"
@@ -95,7 +117,7 @@ def test_each_pipeline_parameter_reaches_its_task_and_every_pod_resource_resolve
     spec, _ = _load(SHIPPED / name)
     arguments = _changed_arguments(spec)
     runs = run_pipeline(spec, arguments, RANDOM_ORDER if _runs_on_2_5(name) else EXECUTOR_INPUT_FIRST, random.Random(1))
-    configs = [t for t in runs.values() if t.name.startswith("resolve-config")]
+    configs = [t for t in runs.values() if _base(t).startswith("resolve-config")]
     assert configs or name == "study.yaml"
     if name == "study.yaml":  # the study's one text reaches every task (each loop's tasks through the loop)
         tasks = [t for t in runs.values() if not isinstance(t, LoopRun)]
@@ -112,11 +134,40 @@ def test_each_pipeline_parameter_reaches_its_task_and_every_pod_resource_resolve
             assert task.resources["acceleratorCount"] == "2" and task.resources["acceleratorType"] == "amd.com/gpu"
             # the task is told what it asked for, so that a GPU it cannot use stops it (fedpipe.engine.devices)
             assert task.parameters["requested_accelerators"] == "2"
-    compare = [t for t in runs.values() if t.name == "compare"]
+    compare = [t for t in runs.values() if _base(t) == "compare"]
     if name == "benchmark.yaml":  # the comparison gets each method's run id from that method's evaluate task
         (compare,) = compare
-        evaluates = {t.name: t.outputs["Output"] for t in runs.values() if t.name.startswith("evaluate")}
+        evaluates = {t.name: t.outputs["Output"] for t in runs.values() if _base(t).startswith("evaluate")}
         assert sorted(compare.parameters[k] for k in compare.parameters if k.startswith("run_id_")) == sorted(evaluates.values())
+
+
+@pytest.mark.parametrize("name", [n for n, m in CASES if m == "federation"])
+def test_the_run_parameter_engine_mode_picks_the_branch_and_the_federation_asks_for_no_gpu(name):
+    """A method's pipeline runs one branch per run, chosen by its config task's output (the run's engine.mode; the DAG
+    driver evaluates the branch's trigger condition: 2.5.0 driver.go DAG, 2.17.0 dag.go). Simulation: partition,
+    one training task per phase (each asking for the accelerator), evaluate, publish. Federation: the sites' census,
+    one task per phase, evaluate, publish, none asking for a GPU (the sites train), each phase after the census and
+    the previous phase."""
+    spec, _ = _load(SHIPPED / name)
+    arguments = _changed_arguments(spec)
+    method = name.removesuffix(".yaml")
+    phases = [p.name for p in phases_of(load_config(None, [f"method.name={method}"]).method, 30)]
+    simulated = run_pipeline(spec, arguments, RANDOM_ORDER, random.Random(2), _mode_outputs("simulation"))
+    federated = run_pipeline(spec, arguments, RANDOM_ORDER, random.Random(2), _mode_outputs("federation"))
+    sim_names = sorted(_base(t) for t in simulated.values())
+    fed_names = sorted(_base(t) for t in federated.values())
+    assert not [n for n in sim_names if n.startswith("federated")] and "partition" in sim_names
+    assert sum(n.startswith("train-phase") for n in sim_names) == len(phases)
+    assert all("acceleratorCount" in t.resources for t in simulated.values() if _base(t).startswith("train-phase"))
+    assert [n for n in fed_names if not n.startswith(("federated", "resolve-config", "publish"))] == []
+    assert fed_names.count("federated-census") == 1 and fed_names.count("federated-evaluate") == 1 and "publish" in fed_names
+    runs = sorted((t for t in federated.values() if _base(t).startswith("federated-phase")), key=lambda t: len(t.upstream))
+    assert [t.parameters["phase"] for t in runs] == phases
+    assert not [t.name for t in federated.values() if "acceleratorCount" in t.resources]
+    census = next(t for t in federated.values() if _base(t) == "federated-census")
+    for earlier, later in zip(runs, runs[1:]):
+        assert earlier.name in later.upstream and census.name in later.upstream
+    assert runs[0].parameters["census"] == census.outputs["Output"]
 
 
 def _dict_of_channels_pipeline(tmp_path):
@@ -214,7 +265,7 @@ def test_a_pipeline_with_a_distributed_phase_resolves_on_every_backend(tmp_path,
     spec, _ = _load(path)
     arguments = _changed_arguments(spec)
     reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
-    launcher = next(t for t in reference.values() if t.name == "launch-phase-job")
+    launcher = next(t for t in reference.values() if _base(t) == "launch-phase-job")
     assert launcher.parameters["cpu_limit"] == arguments["cpu_limit"] and launcher.parameters["job"]["api"] == api
     assert launcher.parameters["s3_secret"] == options.s3_secret
     rng = random.Random(3)
@@ -227,8 +278,8 @@ NEWER = ("2.16.1", "2.17.0", "2.18.0")  # Kubeflow 26.03.1's KFP, and the standa
 
 
 @pytest.mark.parametrize("version", NEWER)
-@pytest.mark.parametrize("name", PIPELINES)
-def test_every_shipped_pipeline_runs_the_same_under_kfp_2_16_1_2_17_and_2_18(name, version):
+@pytest.mark.parametrize(("name", "mode"), CASES)
+def test_every_shipped_pipeline_runs_the_same_under_kfp_2_16_1_2_17_and_2_18(name, mode, version):
     """From 2.17.0 the driver resolves a container's input placeholders itself before the launcher
     (driver.go initPodSpecPatch -> util.go resolveContainerArgs, at the 2.17.0 tag; unchanged at master
     7b70c7b, which stands for 2.18.0 here: the tag is not in the snapshot read). A placeholder the driver
@@ -237,8 +288,8 @@ def test_every_shipped_pipeline_runs_the_same_under_kfp_2_16_1_2_17_and_2_18(nam
     and its Kubernetes config must hold only fields that version's protos know."""
     spec, platform = _load(SHIPPED / name)
     arguments = _changed_arguments(spec)
-    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0))
-    runs = run_pipeline(spec, arguments, version, random.Random(0))
+    reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0), _mode_outputs(mode))
+    runs = run_pipeline(spec, arguments, version, random.Random(0), _mode_outputs(mode))
     assert set(runs) == set(reference)
     for task_name, task in runs.items():
         assert not unresolved(task.parameters), f"{name}: {task_name} receives placeholders under {version}"

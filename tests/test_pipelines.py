@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import yaml
+from kfp_backend import flat_tasks
 from runs import SMALL
 
 import fedpipe.components
@@ -27,7 +28,7 @@ COMPONENTS = os.path.dirname(fedpipe.components.__file__)
 
 
 def root_tasks(spec: dict) -> dict:
-    return spec["root"]["dag"]["tasks"]
+    return flat_tasks(spec)  # the root DAG's tasks and those in its branches (engine_mode)
 
 
 def test_shipped_pipelines_and_components_are_up_to_date(tmp_path):
@@ -196,7 +197,7 @@ def driver_resources(spec: dict, task_name: str, arguments: dict | None = None) 
     from google.protobuf import json_format, struct_pb2
 
     root_params = spec["root"]["inputDefinitions"]["parameters"]
-    task = spec["root"]["dag"]["tasks"][task_name]
+    task = flat_tasks(spec)[task_name]
     executor = spec["components"][task["componentRef"]["name"]]["executorLabel"]
     resources = spec["deploymentSpec"]["executors"][executor]["container"].get("resources", {})
 

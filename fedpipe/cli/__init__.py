@@ -16,7 +16,7 @@ import importlib
 
 from fedpipe.cli.common import app
 
-for _group in ("run", "deploy", "check", "info", "data", "site", "models", "study", "reproduce", "privacy"):  # each adds its commands, in this order
+for _group in ("run", "deploy", "check", "info", "data", "site", "federation", "models", "study", "reproduce", "privacy"):  # each adds its commands, in this order
     importlib.import_module(f"fedpipe.cli.{_group}")
 
 __all__ = ["app", "main"]

@@ -36,6 +36,9 @@ JobApiOpt = Annotated[Optional[str], typer.Option("--job-api", help="With --dist
 KueueQueueOpt = Annotated[Optional[str], typer.Option("--kueue-queue", help="Kueue's LocalQueue (in the namespace the runs go to) that the GPU work waits in: each training task's pod carries the label kueue.x-k8s.io/queue-name (Kueue's `pod` integration must be on), a --distributed-phase's PyTorchJob or TrainJob carries it on the job (Kueue's kubeflow.org/pytorchjob or trainer.kubeflow.org/trainjob integration). CPU steps are never queued. Default: no queue.")]
 TrainerRuntimeOpt = Annotated[Optional[str], typer.Option("--trainer-runtime", help="With --job-api trainjob: the ClusterTrainingRuntime the TrainJob runs on (default torch-distributed, which Trainer ships).")]
 
+FederationSuperlinkOpt = Annotated[Optional[str], typer.Option("--federation-superlink", help="Federation mode (the run parameter engine_mode=federation): the SuperLink's Control API as HOST:PORT, the default of the run parameter federation_superlink (the chart's SuperLink: <release>-superlink-control:9091; the chart passes it when federation.enabled). docs/federation-kubernetes.md.")]
+FederationCaSecretOpt = Annotated[Optional[str], typer.Option("--federation-ca-secret", help="Federation mode: the Secret whose ca.crt the SuperLink's certificate is checked against (the chart's SuperLink TLS Secret), mounted read-only into the census, phase and evaluate tasks; federation.root_certificates then names it. Default: none mounted.")]
+
 
 # The deployment flags of compile, register, submit and schedule, each declared once: `_deploy_flags`
 # appends them to a command's parameters and hands the command their values as one dict, `deploy`.
@@ -45,7 +48,8 @@ DEPLOY_OPTIONS = {
     "store": StoreOpt, "s3_endpoint": S3EndpointOpt, "s3_secret": S3SecretOpt, "pushgateway": PushgatewayOpt,
     "distributed_phase": DistributedPhaseOpt, "nodes": NodesOpt, "processes_per_node": ProcessesOpt,
     "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt, "job_api": JobApiOpt, "kfp_version": KfpVersionOpt, "signing_secret": SigningSecretOpt,
-    "trainer_runtime": TrainerRuntimeOpt, "kueue_queue": KueueQueueOpt,
+    "trainer_runtime": TrainerRuntimeOpt, "kueue_queue": KueueQueueOpt, "federation_superlink": FederationSuperlinkOpt,
+    "federation_ca_secret": FederationCaSecretOpt,
 }
 DEPLOY_FLAGS = tuple(DEPLOY_OPTIONS)
 
@@ -97,7 +101,8 @@ def _options(deploy: dict, distributed: tuple = ()):
         if deploy.get(name) is not None:
             resources[name] = str(deploy[name])
     chosen = {key: deploy.get(key) for key in ("image_repository", "image_tag", "training_image_tag", "store", "s3_endpoint",
-                                                "s3_secret", "pushgateway", "kfp_version", "signing_secret", "kueue_queue")}
+                                                "s3_secret", "pushgateway", "kfp_version", "signing_secret", "kueue_queue",
+                                                "federation_superlink", "federation_ca_secret")}
     return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
 
 

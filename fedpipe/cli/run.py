@@ -66,15 +66,15 @@ def _run_federated(cfg) -> None:
     join`), wait, print what the sites reported and where the report is (fedpipe.federation.launch); with
     registry.name, the sites also score the line's promoted global model and the run's is registered, and promoted
     when the gate says so (fedpipe.models.federated)."""
-    from fedpipe.federation.launch import federate
+    from fedpipe.federation.launch import federate, site_count
     from fedpipe.federation.report import summary_lines
     from fedpipe.models.federated import champion_for, publish_federated
     from fedpipe.run.run import Run
     from fedpipe.store import open_store
 
-    champion = champion_for(cfg, cfg.federation.sites)  # None: no line, or nothing promoted yet
+    champion = champion_for(cfg, site_count(cfg))  # None: no line, or nothing promoted yet
     typer.echo(f"Running {cfg.method.name} as a federation through {cfg.federation.superlink}: waiting for "
-               f"{cfg.federation.sites} sites" + (f"; the sites also score version {champion[0]} of model line "
+               f"{site_count(cfg)} sites" + (f"; the sites also score version {champion[0]} of model line "
                                                  f"{cfg.registry.name!r}" if champion else ""), err=True)
     summary = federate(cfg, champion=None if champion is None else champion[1])
     for line in summary_lines(summary)[1:]:

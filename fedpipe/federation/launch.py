@@ -1,9 +1,11 @@
-"""`fedpipe run` with engine.mode=federation: the run's server side submitted to a SuperLink the sites have joined.
+"""`fedpipe run` with engine.mode=federation, and the pipeline's federation tasks: the run's server side submitted to a
+SuperLink the sites have joined.
 
 The run's config goes to the sites as the spec (`FederationSpec.for_sites`: the method, training, seed and the data
 parameters each site splits its own files with); `flwr run` starts fedpipe's ServerApp at the SuperLink
-(`fedpipe.federation.server_app`: the census, every phase's rounds, the sites' evaluation), which writes into the
-run's folder of the run store, `<store>/<run>/federation/`:
+(`fedpipe.federation.server_app`: the census, every phase's rounds, the sites' evaluation). The two sides meet in the
+run's store, `<store>/<run>/federation/` (`fedpipe.federation.outputs`): this side puts spec.json there (and the
+model line's champion), the ServerApp its outputs and result.json, which this side waits for:
 
     spec.json, census.json, rounds.jsonl, global.safetensors, evaluation.json, server-state.pt (the checkpoint a
     rerun resumes from), result.json or error.json; champion.safetensors when the run is gated against a model line's
@@ -11,74 +13,116 @@ run's folder of the run store, `<store>/<run>/federation/`:
 
 and then the run's report from them, where a simulation's goes (`<store>/<run>/report/`, `fedpipe.federation.report`).
 
-Where the ServerApp runs: in Flower 1.42 the SuperLink's SuperExec starts it on the SuperLink's machine, so the
-run store must be a folder that machine writes and this one reads (the same machine, or a shared volume); an
-s3:// run store is refused here until the ServerApp writes through the store (docs/federation.md).
+The store is a folder the SuperLink's machine shares with this one, or s3:// (Kubeflow's MinIO on a cluster: the
+chart gives the SuperLink's pod the store's credentials). A submission may stop after one stage (`stage`: the
+census, one phase, the evaluation), which is how the pipeline runs one task per stage; `fedpipe run` submits the
+whole run at once.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
 from fedpipe.errors import ConfigError
+from fedpipe.federation.outputs import SubmittedRun
 from fedpipe.federation.report import write_report
-from fedpipe.federation.resume import CHAMPION
-from fedpipe.federation.tryout import DEFAULT_ENV, submit_app, wait_result, write_connection
+from fedpipe.federation.tryout import DEFAULT_ENV, submit_app, write_connection
 
 CONNECTION = "fedpipe-run"
 
 
-def federation_folder(cfg) -> Path:
+def site_count(cfg) -> int:
+    """How many sites the run waits for: federation.sites, else as many as federation.site_names names."""
+    fed = cfg.federation
+    count = fed.sites or len(fed.site_names)
+    if not count:
+        raise ConfigError("federation.sites: say how many sites the run waits for before its first round (or name them in "
+                          "federation.site_names)")
+    return count
+
+
+def submission(cfg) -> SubmittedRun:
     from fedpipe.run.run import Run
 
-    return Path(cfg.run.store) / Run(cfg).layout.folder / "federation"
+    return SubmittedRun(str(cfg.run.store), Run(cfg).layout.run_id)
 
 
-def report_folder(cfg) -> Path:
-    from fedpipe.run.run import Run
+def check_federation(cfg, env: str | Path = DEFAULT_ENV) -> Path:
+    """What a submission needs before anything is sent; returns the `flwr` program."""
+    fed = cfg.federation
+    if cfg.engine.mode != "federation":
+        raise ConfigError("this runs engine.mode=federation configs only")
+    if not fed.root_certificates or not Path(fed.root_certificates).is_file():
+        raise ConfigError(f"federation.root_certificates={fed.root_certificates}: TLS is always on; name the CA certificate (PEM) "
+                          "the SuperLink's certificate is signed with (`fedpipe federation certs` makes one; on a cluster the "
+                          "chart mounts it)")
+    site_count(cfg)
+    flwr = Path(env) / "bin" / "flwr"
+    if not flwr.exists():
+        raise ConfigError(f"{flwr} not found: build the Flower environment with scripts/flower-env.sh (the image has /opt/flower)")
+    return flwr
 
-    return Path(cfg.run.store) / Run(cfg).layout.report_dir
 
-
-def federate(cfg, env: str | Path = DEFAULT_ENV, timeout: float | None = None,
-             champion: dict[str, torch.Tensor] | None = None) -> dict:
-    """Run `cfg` (engine.mode=federation) through `cfg.federation.superlink` and wait; returns the run's summary
-    (`fedpipe.federation.report.write_report`). `champion`: the server state of the model line's promoted version,
-    which the sites then score beside the new global model (the gate's figures, in evaluation.json)."""
+def submit(cfg, stage: str = "", champion: dict[str, torch.Tensor] | None = None, env: str | Path = DEFAULT_ENV) -> SubmittedRun:
+    """Put the run's spec (and the champion) into the run's store and start the ServerApp at the SuperLink, to stop
+    after `stage` (empty: the whole run); returns the submission to wait on."""
     from fedpipe.federation.own_data import site_params
     from fedpipe.federation.spec import FederationSpec
 
-    fed = cfg.federation
-    if cfg.engine.mode != "federation":
-        raise ConfigError("federate runs engine.mode=federation configs only")
-    if "://" in str(cfg.run.store):
-        raise ConfigError(f"run.store={cfg.run.store}: in federation mode the ServerApp writes the run's outputs on the SuperLink's "
-                          "machine, so run.store must be a folder it shares with this one (an s3:// store is not wired yet)")
-    if not fed.root_certificates or not Path(fed.root_certificates).is_file():
-        raise ConfigError(f"federation.root_certificates={fed.root_certificates}: TLS is always on; name the CA certificate (PEM) "
-                          "the SuperLink's certificate is signed with (`fedpipe site try` makes one for a try-out)")
-    if not fed.sites:
-        raise ConfigError("federation.sites: say how many sites the run waits for before its first round")
-    flwr = Path(env) / "bin" / "flwr"
-    if not flwr.exists():
-        raise ConfigError(f"{flwr} not found: build the Flower environment with scripts/flower-env.sh")
-    out = federation_folder(cfg).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    spec = FederationSpec.for_sites(cfg, fed.sites, site_params(cfg))
-    (out / "spec.json").write_text(spec.to_json())
-    home = out / "flwr-home"
-    write_connection(home, CONNECTION, fed.superlink, fed.root_certificates)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
-    environ.update({"FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0"})
-    for stale in ("result.json", "error.json", CHAMPION):
-        (out / stale).unlink(missing_ok=True)
+    flwr, fed = check_federation(cfg, env), cfg.federation
+    run = submission(cfg)
+    spec = FederationSpec.for_sites(cfg, site_count(cfg), site_params(cfg))
+    weights = None
     if champion is not None:
-        safetensors.torch.save_file({k: t.detach().cpu().contiguous() for k, t in champion.items()}, str(out / CHAMPION))
-    submit_app(flwr, environ, out / "app", CONNECTION, out / "spec.json", out, fed.connect_timeout, fed.round_timeout, fed.rejoin_wait)
-    budget = timeout or fed.connect_timeout + fed.round_timeout * max(cfg.train.rounds, 1) * 4
-    wait_result(out, budget)
-    return write_report(out, report_folder(cfg), f"{cfg.method.name}, federated over {fed.sites} sites ({federation_folder(cfg).parent.name})")
+        weights = safetensors.torch.save({k: t.detach().cpu().contiguous() for k, t in champion.items()})
+    run.submit(spec.to_json(), weights)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
+    with tempfile.TemporaryDirectory(prefix="fedpipe-submit-") as tmp:
+        home = Path(tmp) / "flwr-home"
+        write_connection(home, CONNECTION, fed.superlink, fed.root_certificates)
+        environ.update({"FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0"})
+        submit_app(flwr, environ, Path(tmp) / "app", CONNECTION, None, None, fed.connect_timeout, fed.round_timeout, fed.rejoin_wait,
+                   store=str(cfg.run.store), prefix=run.prefix, stop_after=stage)
+    return run
+
+
+def budget(cfg) -> float:
+    """How long a submission is waited for: the census, then every round at four round timeouts."""
+    fed = cfg.federation
+    return fed.connect_timeout + fed.round_timeout * max(cfg.train.rounds, 1) * 4
+
+
+def federate(cfg, env: str | Path = DEFAULT_ENV, timeout: float | None = None,
+             champion: dict[str, torch.Tensor] | None = None, stage: str = "",
+             on_poll: Callable[[SubmittedRun], None] = lambda run: None) -> dict:
+    """Run `cfg` (engine.mode=federation) through `cfg.federation.superlink` and wait. The whole run (`stage` empty or
+    "evaluate") returns the run's summary (`fedpipe.federation.report.write_report`, the report written into the run's
+    store); a stage before it returns the ServerApp's result.json. `champion`: the server state of the model line's
+    promoted version, which the sites then score beside the new global model (the gate's figures, in evaluation.json).
+    `on_poll(run)` is called while waiting (the pipeline's phase task forwards the new rounds' metrics)."""
+    run = submit(cfg, stage, champion, env)
+    result = run.wait(timeout or budget(cfg), on_poll=lambda: on_poll(run))
+    if stage not in ("", "evaluate"):
+        return result
+    return write_federated_report(cfg, run)
+
+
+def write_federated_report(cfg, run: SubmittedRun | None = None) -> dict:
+    """The run's report from the ServerApp's outputs in the store, written into the store's report folder."""
+    from fedpipe.run.run import Run
+
+    run = run or submission(cfg)
+    layout = Run(cfg).layout
+    with tempfile.TemporaryDirectory(prefix="fedpipe-report-") as tmp:
+        out, report = run.fetch(Path(tmp) / "federation"), Path(tmp) / "report"
+        summary = write_report(out, report, f"{cfg.method.name}, federated over {site_count(cfg)} sites ({layout.run_id})",
+                               (run.url, run.store.url(layout.report("report.html"))))
+        for path in sorted(report.iterdir()):
+            run.store.put(layout.report(path.name), path.read_bytes())
+    return summary

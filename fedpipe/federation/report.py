@@ -46,8 +46,9 @@ def read_output(path: Path, what: str):
     return parse_json(data, str(path), what, MAX_OUTPUT_BYTES, CorruptArtifactError)
 
 
-def write_report(out: Path, report_dir: Path, title: str) -> dict:
-    """The federated run's report (see the module's docstring); returns its summary."""
+def write_report(out: Path, report_dir: Path, title: str, urls: tuple[str, str] | None = None) -> dict:
+    """The federated run's report (see the module's docstring); returns its summary. `urls`: where the outputs and the
+    report are shown to be (the run's store), when `out` and `report_dir` are local copies."""
     census, scores = read_output(out / "census.json", "census"), read_output(out / "evaluation.json", "site evaluation")
     rounds = read_output(out / "rounds.jsonl", "round log")
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,10 @@ def write_report(out: Path, report_dir: Path, title: str) -> dict:
         images["rounds.png"] = federated_rounds(rounds, report_dir / "rounds.png", f"{title}: rounds").read_bytes()
     table = sites_csv(census, scores, rounds)
     (report_dir / "sites.csv").write_text(table)
-    summary["report"] = str(report_dir / "report.html")
+    if urls:
+        summary["folder"], summary["report"] = urls
+    else:
+        summary["report"] = str(report_dir / "report.html")
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     page = render_html(title, summary_lines(summary), images, _sites_html(table))
     (report_dir / "report.html").write_text(page)

@@ -38,6 +38,7 @@ from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError
 from fedpipe.federation import audit, resume
 from fedpipe.federation.census import Census, take_census
+from fedpipe.federation.outputs import ServerOutputs
 from fedpipe.federation.private import server_privacy
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, record_bytes, to_record
@@ -69,30 +70,32 @@ class Roster:
         return len(self.clients)
 
 
-def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSpec | None = None
-                   ) -> tuple[Roster, FederationSpec | None, Census]:
-    """Wait until `expected` SuperNodes are connected, then take the census (`fedpipe.federation.census`): each site
+def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSpec | None = None,
+                   names: tuple[str, ...] = ()) -> tuple[Roster, FederationSpec | None, Census]:
+    """Wait until `expected` SuperNodes are connected (with `names`, federation.site_names: until the census has heard
+    from each named site; other sites are left out), then take the census (`fedpipe.federation.census`): each site
     says which client it holds or, with its own files, what it holds; own-files sites are then told their client ids
-    ("assign", under the spec completed with the data's shape) and the completed spec is returned."""
+    ("assign", under the spec completed with the data's shape) and the completed spec is returned. The timeout's
+    error names the sites that did not answer."""
     deadline = time.monotonic() + timeout
-    nodes: list[int] = []
-    while time.monotonic() < deadline:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= expected:
-            break
-        time.sleep(0.5)
-    if len(nodes) < expected:
-        raise TimeoutError(f"only {len(nodes)} of {expected} sites connected within {timeout:.0f}s")
     ask = {"what": "identity", **({"spec": spec.to_json()} if spec is not None and spec.site_data else {})}
-    answers = []
-    for node, reply in exchange(grid, [Message(RecordDict({"ask": ConfigRecord(ask)}), dst_node_id=n, message_type=MessageType.QUERY)
-                                       for n in nodes], timeout).items():
-        if reply.has_error():
-            log.warning("Site on node %s did not answer the census: %s", node, reply.error.reason)
-            continue
-        site = reply.content["site"]
-        answers.append((node, {"client-id": int(site["client-id"]), "opt-out": bool(site["opt-out"]),
-                               "census": json.loads(str(site["census"])) if "census" in site else None}))
+    answers: list[tuple[int, dict]] = []
+    heard: tuple[int, ...] = ()
+    while True:
+        nodes = tuple(sorted(grid.get_node_ids()))
+        if nodes != heard and (len(nodes) >= expected or time.monotonic() >= deadline):
+            answers, heard = _identities(grid, nodes, ask, max(deadline - time.monotonic(), 5.0)), nodes
+            if names:
+                answers = _named(answers, names)
+            if len(answers) >= expected and (not names or len(answers) == len(names)):
+                break
+        if time.monotonic() >= deadline:
+            have = sorted(_name_of(a) for _, a in answers)
+            missing = f"; missing: {', '.join(sorted(set(names) - set(have)))}" if names else ""
+            raise TimeoutError(f"only {len(answers)} of {expected} sites answered within {timeout:.0f}s (answered: "
+                               f"{', '.join(have) or 'none'}{missing}): start the missing sites (`fedpipe site join`, or the "
+                               "fedpipe-site chart) and check their logs, or raise federation.connect_timeout")
+        time.sleep(0.5)
     census = take_census(answers)
     if census.input_shape is not None and spec is not None:
         spec = spec.with_data(census.input_shape, census.num_classes)
@@ -103,6 +106,33 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSp
         if missing:
             raise TimeoutError(f"site(s) {missing} did not take their client id within {timeout:.0f}s")
     return Roster([SiteEntry(s.client_id, s.opt_out, s.node_id) for s in census.sites]), spec, census
+
+
+def _identities(grid: Grid, nodes: tuple[int, ...], ask: dict, timeout: float) -> list[tuple[int, dict]]:
+    """Each connected site's census answer (those that answered within `timeout`)."""
+    answers = []
+    for node, reply in exchange(grid, [Message(RecordDict({"ask": ConfigRecord(ask)}), dst_node_id=n, message_type=MessageType.QUERY)
+                                       for n in nodes], timeout).items():
+        if reply.has_error():
+            log.warning("Site on node %s did not answer the census: %s", node, reply.error.reason)
+            continue
+        site = reply.content["site"]
+        answers.append((node, {"client-id": int(site["client-id"]), "opt-out": bool(site["opt-out"]),
+                               "census": json.loads(str(site["census"])) if "census" in site else None}))
+    return answers
+
+
+def _name_of(answer: dict) -> str:
+    return str(answer["census"]["name"]) if answer.get("census") else f"site-{answer['client-id']}"
+
+
+def _named(answers: list[tuple[int, dict]], names: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """The answers of the sites federation.site_names names; any other site is left out of the run (and logged)."""
+    kept = [(node, a) for node, a in answers if _name_of(a) in names]
+    for node, a in answers:
+        if _name_of(a) not in names:
+            log.warning("Site %r (node %s) is not in federation.site_names: it is left out of this run", _name_of(a), node)
+    return kept
 
 
 class SiteRound:
@@ -212,8 +242,8 @@ class RoundLog:
     """A RoundCallback writing, after each round, the server's checkpoint (its phase state, `fedpipe.federation.resume`),
     one JSON line (rounds.jsonl) and the global model."""
 
-    def __init__(self, out: Path, algorithm: Algorithm, trainer: SiteRound):
-        self.out, self.algorithm, self.trainer = out, algorithm, trainer
+    def __init__(self, out: Path, algorithm: Algorithm, trainer: SiteRound, publish=lambda *names: None):
+        self.out, self.algorithm, self.trainer, self.publish = out, algorithm, trainer, publish
 
     def on_phase_start(self, phase, state) -> None: ...
 
@@ -233,6 +263,7 @@ class RoundLog:
         with open(self.out / "rounds.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         save_global(self.out / "global.safetensors", state.server.global_params)
+        self.publish(resume.CHECKPOINT, "rounds.jsonl", "global.safetensors")  # to the run's store, the checkpoint first
 
     def on_phase_end(self, phase, state) -> None: ...
 
@@ -277,15 +308,26 @@ def read_champion(out: Path, initial: dict[str, torch.Tensor]) -> dict[str, torc
     return params
 
 
+def stages(spec: FederationSpec) -> tuple[str, ...]:
+    """What a submission may stop after (run config `stop-after`): the census, each phase, the evaluation (the whole
+    run). The pipeline's federation tasks submit one each; `fedpipe run` submits the whole run."""
+    return ("census", *(p.name for p in spec.phases()), "evaluate")
+
+
 def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_timeout: float | None = None,
-          rejoin_wait: float = 0.0) -> PhaseState:
-    """Every phase of the spec's method, against the sites connected to `grid`, then each site's own evaluation.
+          rejoin_wait: float = 0.0, stop_after: str = "evaluate", publish=lambda *names: None) -> PhaseState | None:
+    """Every phase of the spec's method, against the sites connected to `grid`, then each site's own evaluation;
+    with `stop_after` (one of `stages(spec)`) only up to that stage: the census alone, or the phases up to that one
+    (from the checkpoint in `out`: a phase already done is not run again). `publish(*names)` copies outputs to the
+    run's store as they are written (`fedpipe.federation.outputs`).
 
     The fault rule: a round waits for each chosen site's reply until `round_timeout` seconds (a site killed or hung
     mid-round counts as failed, `SiteTimeout`; Flower answers sooner, `SiteError`, once the SuperLink sees the node
     offline); a site not connected at a round's start is waited for up to `rejoin_wait` seconds, then left out
     (`SiteOffline`); the round is kept when at least min(train.min_clients, chosen) sites reported back, else the
     phase fails (`fedpipe.engine.rounds.run_round`)."""
+    if stop_after not in stages(spec):
+        raise ConfigError(f"stop-after {stop_after!r} is not a stage of {spec.method['name']}: choose from {', '.join(stages(spec))}")
     torch.set_num_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
     secure, audited = spec.federation_cfg.secure_aggregation.enabled, audit.enabled()
@@ -295,10 +337,15 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
         if audited:  # test-only: every reply the server receives is audited
             grid = secagg.MeteredGrid(grid, out)
     # the census first: with the sites' own files, the data's shape (and so the model) is known only from it
-    roster, spec, census = wait_for_sites(grid, spec.num_sites, timeout, spec)
+    names = tuple(spec.federation_cfg.site_names)
+    roster, spec, census = wait_for_sites(grid, spec.num_sites, timeout, spec, names)
     (out / "census.json").write_text(json.dumps(census.summary()))
+    publish("census.json")
     algorithm, initial = spec.build(DEVICE)
     champion = read_champion(out, initial)  # before any round: a champion the sites cannot score fails the run now
+    if stop_after == "census":
+        _finish(out, publish, {"stage": "census", "sites": roster.num_clients, "names": [s.name for s in census.sites]})
+        return None
     if secure:
         for phase in spec.phases():
             secagg.check_secure(spec, algorithm, phase)
@@ -307,34 +354,74 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
     state = resume.load(out, spec.to_json(), spec.method["name"]) or PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
     if state.round:
+        publish(resume.RESUMES)
         log.info("fedpipe federation: resuming after round %d (phase %s) from %s", state.round, state.phase, out / resume.CHECKPOINT)
-    for phase in spec.phases():
-        trainer = SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait, algorithm)
-        if secure:
-            trainer = secagg.SecureSiteRound(trainer, spec)
-        eligible = sum(1 for e in roster.clients if not (phase.communicates and e.opt_out))
-        privacy = server_privacy(spec, phase, eligible, out)  # None without privacy (fedpipe.federation.private)
-        trainer.privacy = privacy
-        state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, [RoundLog(out, algorithm, trainer)],
-                          privacy)
+    trainer = lambda phase: SiteRound(grid, roster, spec, phase, round_timeout or timeout, out, rejoin_wait, algorithm)  # noqa: E731
+    state, stopped = _train(spec, algorithm, roster, state, trainer, out, stop_after, publish)
+    if stopped:
+        return state
     save_global(out / "global.safetensors", state.server.global_params)
+    publish("global.safetensors")
     scores = evaluate_at_sites(grid, roster, spec, state.server.global_params, timeout, champion)
     (out / "evaluation.json").write_text(json.dumps({str(c): s for c, s in sorted(scores.items())}))
-    (out / "result.json").write_text(json.dumps({"phase": state.phase, "round": state.round, "sites": roster.num_clients,
-                                                 "server_client_states": len(state.clients) + len(state.server.per_client)}))
+    publish("evaluation.json")
+    _finish(out, publish, {"stage": "evaluate", "phase": state.phase, "round": state.round, "sites": roster.num_clients,
+                           "server_client_states": len(state.clients) + len(state.server.per_client)})
     return state
+
+
+def _train(spec: FederationSpec, algorithm: Algorithm, roster: Roster, state: PhaseState, trainer, out: Path, stop_after: str,
+           publish) -> tuple[PhaseState, bool]:
+    """The phases' rounds from `state` on (`trainer(phase)`: the phase's SiteRound; SecAgg+ wraps it), each round logged
+    and published; (state, True) when `stop_after` names a phase, which then ends the submission."""
+    for phase in spec.phases():
+        site_round = trainer(phase)
+        if spec.federation_cfg.secure_aggregation.enabled:
+            from fedpipe.federation import secagg
+
+            site_round = secagg.SecureSiteRound(site_round, spec)
+        eligible = sum(1 for e in roster.clients if not (phase.communicates and e.opt_out))
+        privacy = server_privacy(spec, phase, eligible, out)  # None without privacy (fedpipe.federation.private)
+        site_round.privacy = privacy
+        state = run_phase(algorithm, phase, roster, state, spec.train_cfg, spec.seed, site_round,
+                          [RoundLog(out, algorithm, site_round, publish)], privacy)
+        if phase.name == stop_after:
+            resume.save(out, state, spec.to_json())  # the phase's end, also when its rounds were all done before
+            save_global(out / "global.safetensors", state.server.global_params)
+            publish(resume.CHECKPOINT, "global.safetensors")
+            _finish(out, publish, {"stage": phase.name, "phase": state.phase, "round": state.round, "sites": roster.num_clients})
+            return state, True
+    return state, False
+
+
+def _finish(out: Path, publish, result: dict) -> None:
+    """result.json, what the submitter waits for: written last."""
+    (out / "result.json").write_text(json.dumps(result))
+    publish("result.json")
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """The run config: `store` and `prefix` (the run's store and `<run>/federation`, where the submitter put spec.json
+    and waits for result.json: `fedpipe.federation.outputs`), or `out-dir` and `spec-file` (a folder on this machine:
+    the try-out); `stop-after` (a stage, `stages`; default the whole run); the timeouts."""
     rc = context.run_config
-    out = Path(str(rc["out-dir"]))
-    for stale in ("result.json", "error.json"):  # a restarted run's try-out waits on these: none from a killed one
+    outputs = ServerOutputs(str(rc["store"]), str(rc["prefix"])) if str(rc.get("store", "")) else None
+    out = outputs.folder if outputs is not None else Path(str(rc["out-dir"]))
+    publish = outputs.push if outputs is not None else (lambda *names: None)
+    for stale in ("result.json", "error.json"):  # a restarted run's submitter waits on these: none from a killed one
         (out / stale).unlink(missing_ok=True)
     try:
-        serve(grid, FederationSpec.read(str(rc["spec-file"])), out, float(rc.get("timeout", 300)),
-              float(rc.get("round-timeout", 0)) or None, float(rc.get("rejoin-wait", 0)))
-    except BaseException as e:  # the try-out waits on result.json or error.json
+        if outputs is not None:
+            outputs.pull()
+        spec = FederationSpec.read(out / "spec.json" if outputs is not None else str(rc["spec-file"]))
+        serve(grid, spec, out, float(rc.get("timeout", 300)), float(rc.get("round-timeout", 0)) or None,
+              float(rc.get("rejoin-wait", 0)), str(rc.get("stop-after", "")) or "evaluate", publish)
+    except BaseException as e:  # the submitter waits on result.json or error.json
         out.mkdir(parents=True, exist_ok=True)
         (out / "error.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        try:
+            publish("error.json")
+        except Exception as failed:  # the store itself may be what failed: the SuperLink's log keeps the error
+            log.error("fedpipe federation: could not write error.json to the run's store: %s", failed)
         raise

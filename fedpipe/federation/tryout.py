@@ -55,8 +55,11 @@ serverapp = "fedpipe.federation.server_app:app"
 clientapp = "fedpipe.federation.client_app:app"
 
 [tool.flwr.app.config]
-spec-file = "{spec}"
-out-dir = "{out}"
+spec-file = {spec}
+out-dir = {out}
+store = {store}
+prefix = {prefix}
+stop-after = {stop_after}
 timeout = {timeout}
 round-timeout = {round_timeout}
 rejoin-wait = {rejoin_wait}
@@ -97,13 +100,21 @@ def write_connection(home: Path, name: str, address: str, ca_cert: str | Path) -
                                       f'root-certificates = "{Path(ca_cert).resolve()}"\n')
 
 
-def submit_app(flwr: str | Path, environ: dict[str, str], app: Path, connection: str, spec_file: Path, out: Path,
-               timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0) -> None:
-    """`flwr run` of fedpipe's app (its pyproject written to `app`) for `spec_file`, through `connection`; returns once
-    the SuperLink has accepted the run. The ServerApp writes to `out`, a path on the SuperLink's machine."""
+def submit_app(flwr: str | Path, environ: dict[str, str], app: Path, connection: str, spec_file: Path | None, out: Path | None,
+               timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0, store: str = "", prefix: str = "",
+               stop_after: str = "") -> None:
+    """`flwr run` of fedpipe's app (its pyproject written to `app`) through `connection`; returns once the SuperLink
+    has accepted the run. The ServerApp reads `spec_file` and writes to `out`, paths on the SuperLink's machine, or,
+    with `store`, meets the submitter in the run's store under `prefix` (`fedpipe.federation.outputs`); `stop_after`:
+    the stage it stops after (`server_app.stages`; empty: the whole run)."""
     app.mkdir(parents=True, exist_ok=True)
-    (app / "pyproject.toml").write_text(APP_PYPROJECT.format(spec=Path(spec_file).resolve(), out=Path(out).resolve(), timeout=timeout,
-                                                             round_timeout=float(round_timeout), rejoin_wait=float(rejoin_wait)))
+    def text(value) -> str:  # a TOML basic string (JSON's escapes are TOML's)
+        return json.dumps(str(value))
+
+    (app / "pyproject.toml").write_text(APP_PYPROJECT.format(
+        spec=text(Path(spec_file).resolve() if spec_file else ""), out=text(Path(out).resolve() if out else ""), store=text(store),
+        prefix=text(prefix), stop_after=text(stop_after), timeout=float(timeout), round_timeout=float(round_timeout),
+        rejoin_wait=float(rejoin_wait)))
     r = subprocess.run([str(flwr), "run", str(app), connection, "--format", "json"], capture_output=True, text=True, env=environ,
                        timeout=120, cwd=app.parent)
     if r.returncode != 0:

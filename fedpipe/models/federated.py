@@ -21,6 +21,7 @@ promoted without a comparison, as in a simulation's line.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 from fedpipe.algorithms.base import ServerState
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
-from fedpipe.federation.launch import federation_folder, report_folder
+from fedpipe.federation.launch import submission
 from fedpipe.federation.report import held_out_accuracy, read_output
 from fedpipe.federation.resume import CHECKPOINT
 from fedpipe.federation.spec import FederationSpec
@@ -137,25 +138,52 @@ def decide_federated(cfg, evaluation: dict, census: dict, line: ModelLine, champ
     return Decision(**{**decision.__dict__, "compared": compared})
 
 
+CHAMPION_NOTE = "champion.json"  # which version of the line the sites scored, for a publish step that runs later
+
+
+def note_champion(cfg, version: int | None) -> None:
+    """Record, in the run's federation folder, which version of the model line the sites are asked to score (the
+    pipeline's evaluate task; its publish task reads it back with `scored_champion`)."""
+    run = submission(cfg)
+    run.store.put(run.key(CHAMPION_NOTE), json.dumps({"version": version}).encode())
+
+
+def scored_champion(cfg) -> int | None:
+    """The version `note_champion` recorded (None: none, or nothing was promoted when the sites scored)."""
+    run = submission(cfg)
+    data = run.read(CHAMPION_NOTE)
+    if data is None:
+        return None
+    try:
+        version = json.loads(data).get("version")
+        return None if version is None else int(version)
+    except (ValueError, TypeError, AttributeError):
+        raise CorruptArtifactError(f"{run.url}/{CHAMPION_NOTE} is not the evaluate task's note: rerun the pipeline") from None
+
+
 def publish_federated(cfg, summary: dict, champion: int | None) -> dict:
     """Register the federated run's global model as the line's next version and promote it if the gate says so;
-    `champion`: the version the sites scored (`champion_for`), None when nothing was promoted at the start."""
+    `champion`: the version the sites scored (`champion_for`), None when nothing was promoted at the start. Reads the
+    ServerApp's outputs from the run's store (`fedpipe.federation.outputs`), bounded."""
+    import tempfile
+
     line, run = _line(cfg), Run(cfg)
-    out, report = federation_folder(cfg), report_folder(cfg)
-    census, evaluation = read_output(out / "census.json", "census"), read_output(out / "evaluation.json", "site evaluation")
-    record = registered(line, run.layout.run_id)
-    reused = record is not None
-    if record is None:
-        decision = decide_federated(cfg, evaluation, census, line, champion)
-        spec = FederationSpec.read(str(out / "spec.json")).with_data(tuple(census["input_shape"]), int(census["num_classes"]))
-        files, labels = _version_files(run.layout.run_id, spec, census, evaluation, out, decision)
-        snapshots = {s["name"]: s["snapshot"] for s in census["sites"] if s.get("snapshot")}
-        state = PhaseState.from_bytes((out / CHECKPOINT).read_bytes(), "cpu", where=str(out / CHECKPOINT))
-        record = line.register(VersionRecord(0, run.layout.run_id, ModelSpec(spec.model_name, spec.method["name"], tuple(spec.input_shape),
-                                                                             spec.num_classes, labels), cfg.to_yaml(),
-                                             {"source": "federation", "sites": snapshots} if snapshots else None,
-                                             _record_summary(summary), tuple(), decision.to_json(), privacy=state.privacy), files)
-        log.info("Model line %r: registered federated run %s as version %d.", line.name, run.layout.run_id, record.version)
+    with tempfile.TemporaryDirectory(prefix="fedpipe-publish-") as tmp:
+        out = submission(cfg).fetch(Path(tmp))
+        census, evaluation = read_output(out / "census.json", "census"), read_output(out / "evaluation.json", "site evaluation")
+        record = registered(line, run.layout.run_id)
+        reused = record is not None
+        if record is None:
+            decision = decide_federated(cfg, evaluation, census, line, champion)
+            spec = FederationSpec.read(str(out / "spec.json")).with_data(tuple(census["input_shape"]), int(census["num_classes"]))
+            files, labels = _version_files(run.layout.run_id, spec, census, evaluation, out, decision)
+            snapshots = {s["name"]: s["snapshot"] for s in census["sites"] if s.get("snapshot")}
+            state = PhaseState.from_bytes((out / CHECKPOINT).read_bytes(), "cpu", where=str(out / CHECKPOINT))
+            record = line.register(VersionRecord(0, run.layout.run_id, ModelSpec(spec.model_name, spec.method["name"],
+                                                                                 tuple(spec.input_shape), spec.num_classes, labels),
+                                                 cfg.to_yaml(), {"source": "federation", "sites": snapshots} if snapshots else None,
+                                                 _record_summary(summary), tuple(), decision.to_json(), privacy=state.privacy), files)
+            log.info("Model line %r: registered federated run %s as version %d.", line.name, run.layout.run_id, record.version)
     finish_promotion(line, record)
     result = outcome(line, record)
     hub = sync_promoted(line, cfg.registry.kubeflow_hub)
@@ -164,8 +192,9 @@ def publish_federated(cfg, summary: dict, champion: int | None) -> dict:
     if reused:
         result["reused"] = True
     page = model_line_markdown(line.name, line_rows(line), result["promoted_version"], line.history()[-REPORT_VERSIONS:], record.decision)
-    (report / "model_line.md").write_text(page)
-    return {**result, "report": str(report / "model_line.md")}
+    key = run.layout.report("model_line.md")
+    run.store.put(key, page.encode())
+    return {**result, "report": run.store.url(key)}
 
 
 def _version_files(run_id: str, spec: FederationSpec, census: dict, evaluation: dict, out: Path,

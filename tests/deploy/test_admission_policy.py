@@ -57,6 +57,7 @@ from deploytools import (
     schema_rejection,
     write_overlay,
 )
+from kfp_backend import flat_tasks
 from trainjobtools import TRAINJOB_SCHEMA
 
 from fedpipe.k8s import launcher
@@ -260,7 +261,7 @@ def chart_launcher(helm: str, tmp_path_factory) -> Callable[..., dict]:
             result = CliRunner().invoke(app, ["compile", "-c", str(config), *args, "-o", str(out)], env=env)
             assert result.exit_code == 0, result.output
             spec = next(yaml.safe_load_all(out.read_text()))
-            (task,) = [t for t in spec["root"]["dag"]["tasks"].values() if t["componentRef"]["name"] == "comp-launch-phase-job"]
+            (task,) = [t for t in flat_tasks(spec).values() if t["componentRef"]["name"] == "comp-launch-phase-job"]
             constants = {k: v["runtimeValue"]["constant"] for k, v in task["inputs"]["parameters"].items() if "runtimeValue" in v}
             compiled[values] = {**constants, "config": config}
         return compiled[values]

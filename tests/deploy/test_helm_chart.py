@@ -536,6 +536,7 @@ FREE_FORM = {
     "networkPolicy.podSelector", "networkPolicy.dns.podLabels", "networkPolicy.storage.podLabels",
     "networkPolicy.pushgateway.podLabels", "training.resources", "steps.resources", "register.podAnnotations",
     "pushgateway.podAnnotations", "tests.resources", "networkPolicy.istiod.podLabels", "serving.resources",
+    "federation.resources", "federation.filter.resources", "federation.podAnnotations",
 }  # fmt: skip
 
 

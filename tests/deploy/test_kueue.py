@@ -13,6 +13,7 @@ import random
 import pytest
 import yaml
 from deploytools import sample_pytorchjob, validate_pytorchjob
+from kfp_backend import flat_tasks
 from trainjobtools import sample_trainjob, trainjob_problems
 
 from fedpipe.errors import ConfigError
@@ -55,7 +56,7 @@ def test_a_distributed_phase_queues_its_job_not_the_launcher(tmp_path):
     own job behind it."""
     spec, executors = _compiled(tmp_path, DeployOptions(kueue_queue=QUEUE, distributed=(PhaseJob("personalization", api="trainjob"),)))
     assert KUEUE_QUEUE_LABEL not in executors["exec-launch-phase-job"]["podMetadata"]["labels"]
-    job = spec["root"]["dag"]["tasks"]["launch-phase-job"]["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
+    job = flat_tasks(spec)["launch-phase-job"]["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
     assert job["queue"] == QUEUE and PhaseJob.from_dict(job).queue == QUEUE
 
 

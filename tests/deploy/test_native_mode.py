@@ -18,6 +18,7 @@ import deploytools
 import pytest
 import yaml
 from deploytools import CHART, CLUSTER, NAMESPACE, RELEASE, REPO, _closed, import_tool, only, run_tool
+from kfp_backend import flat_tasks
 
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.pipelines.builder import DeployOptions
@@ -558,7 +559,7 @@ def test_values_land_where_the_driver_reads_them(render_chart, tmp_path):
               "accelerator_type": "amd.com/gpu", "step_cpu_request": "250m", "step_cpu_limit": "2", "step_memory_request": "1Gi",
               "step_memory_limit": "8Gi"}  # fmt: skip
     seen_training = seen_steps = 0
-    for task_name, task in spec["root"]["dag"]["tasks"].items():
+    for task_name, task in flat_tasks(spec).items():
         label = spec["components"][task["componentRef"]["name"]]["executorLabel"]
         container = spec["deploymentSpec"]["executors"][label]["container"]
         training = container["image"] == "registry.example.com/ml/fedpipe:1.2.3-cuda12"

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from deploytools import CHART, DNS_1035_LABEL, NAMESPACE, RELEASE, only, run_tool, run_training_container, sample_pytorchjob
 from k8s_api_standin import KubernetesApiStandIn, jobset_pod, trainjob_complete, trainjob_failed, trainjob_running
+from kfp_backend import flat_tasks
 from trainjobtools import (
     TRAINER_PORT,
     as_pod_template,
@@ -483,7 +484,7 @@ def test_job_api_flag_compiles_a_trainjob_launcher(tmp_path):
                                "--trainer-runtime=torch-distributed-hardened")
     assert result.exit_code == 0, result.output
     spec = next(yaml.safe_load_all(out.read_text()))
-    tasks = spec["root"]["dag"]["tasks"]
+    tasks = flat_tasks(spec)
     (launcher,) = [t for t in tasks.values() if t["componentRef"]["name"] == "comp-launch-phase-job"]
     assert launcher["taskInfo"]["name"] == "personalization (TrainJob)"
     settings = PhaseJob.from_dict(launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"])

@@ -18,6 +18,7 @@ atol 1e-6), for the same reasons.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,9 +34,11 @@ from fedpipe.data.files.init import init_manifest, write_manifest
 from fedpipe.data.partition import make_partition
 from fedpipe.federation.certs import make_tls
 from fedpipe.federation.tryout import LoopbackFederation, free_port
+from fedpipe.pipelines.local_runner import run_method_locally
 from fedpipe.plots import census_heatmap
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run
+from fedpipe.store import open_store
 
 pytestmark = [pytest.mark.federation, pytest.mark.xdist_group("federation"), pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,9 +51,29 @@ def _fedpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fedpipe.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+PIPELINE_BUCKET = "kubeflow-runs"
+
+
 @pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
-def own_files(tmp_path_factory, flower_env):
+def own_files(tmp_path_factory, flower_env, s3_server, s3_credentials):
     work = tmp_path_factory.mktemp("own-files")
+    # the pipeline's run store is S3 (moto's server, an emulator of MinIO's API): the SuperLink's ServerApp and the
+    # pipeline's tasks meet there, as on a cluster, where both get the store's endpoint and credentials in their env
+    saved = {k: os.environ.get(k) for k in ("FEDPIPE_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FEDPIPE_FLOWER_ENV")}
+    os.environ.update({"FEDPIPE_S3_ENDPOINT": s3_server, "AWS_ACCESS_KEY_ID": s3_credentials[0],
+                       "AWS_SECRET_ACCESS_KEY": s3_credentials[1], "FEDPIPE_FLOWER_ENV": str(flower_env)})
+    try:
+        yield _own_files(work, flower_env, s3_server, s3_credentials)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
+    from minio import Minio
+
+    Minio(s3_server.removeprefix("http://"), access_key=s3_credentials[0], secret_key=s3_credentials[1], secure=False,
+          region="us-east-1").make_bucket(PIPELINE_BUCKET)
     pooled = write_digit_folders(work / "pooled")
     manifest, _ = init_manifest(str(pooled))
     write_manifest(str(pooled), manifest)
@@ -87,11 +110,18 @@ def own_files(tmp_path_factory, flower_env):
         assert done.returncode == 0, done.stdout + done.stderr + fed.log_of("superlink")[-3000:]
         # the line's next version: a shorter run, gated against version 1, which the sites score on the same samples
         again = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated-2", "train.rounds=1"]), timeout=300)
+        # the method's compiled pipeline in federation mode (the run parameter engine_mode; kfp's local runner, each
+        # task its own process): the census, the phase and the evaluation, each a submission of its own
+        from_ui = load_config(None, [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
+                                     f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.site_names=[{','.join(SITES)}]",
+                                     f"run.store=s3://{PIPELINE_BUCKET}/fedpipe", "run.id=from-the-ui", "train.rounds=2"])
+        artifacts = run_method_locally(from_ui, work / "kfp")
+        evaluation_ui = json.loads(open_store(str(from_ui.run.store)).get("from-the-ui/federation/evaluation.json"))
         logs = {name: fed.log_of(name) for name in SITES}
     assert again.returncode == 0, again.stdout + again.stderr
     out = store / "federated" / "federation"
     report = store / "federated" / "report"
-    return dict(work=work, stdout=done.stdout, logs=logs, out=out, report=report, store=store, again=again.stdout,
+    return dict(work=work, stdout=done.stdout, from_ui=from_ui, artifacts=artifacts, evaluation_ui=evaluation_ui, logs=logs, out=out, report=report, store=store, again=again.stdout,
                 checked=checked, wrong_ca=wrong_ca,
                 evaluation_2=json.loads((store / "federated-2" / "federation" / "evaluation.json").read_text()),
                 simulated={k: v.detach().cpu() for k, v in state.server.global_params.items()},
@@ -168,7 +198,6 @@ def test_the_global_model_is_published_and_the_next_run_gated_at_the_sites(own_f
     for the first run's model at that run's evaluation (the same model, the same samples: the sites really scored the
     promoted version). The version holds the global model for serving, no client's model, and the server's state."""
     from fedpipe.models.line import ModelLine
-    from fedpipe.store import open_store
 
     line = ModelLine(open_store(str(own_files["store"])), "hospitals")
     assert line.versions() == [1, 2]
@@ -193,7 +222,6 @@ def test_a_site_serves_its_own_model(own_files):
     answers the site's raw test images with the site's model, as accurately as the site reported at the evaluation."""
     from fedpipe.models.line import ModelLine
     from fedpipe.serving.predictor import LinePredictor, ServeOptions
-    from fedpipe.store import open_store
 
     name = "hospital-a"
     state = own_files["work"] / "sites" / name / "state"
@@ -209,5 +237,27 @@ def test_a_site_serves_its_own_model(own_files):
     answer = predictor.predict(name, raw)
     assert answer.model == "personalized" and answer.client == name
     accuracy = float((torch.from_numpy(answer.index) == t["test_y"]).double().mean())
-    latest = own_files["evaluation_2"]["0"]  # the site's latest run: the fixture's second (hospital-a is client 0)
+    latest = own_files["evaluation_ui"]["0"]  # the site's latest run: the pipeline's (hospital-a is client 0)
     assert accuracy == pytest.approx(latest["accuracy"], abs=1.5 / len(t["test_y"]))
+
+
+def test_the_pipeline_in_federation_mode_runs_at_the_sites(own_files):
+    """The method's pipeline with engine_mode=federation, from kfp's local runner: the census task waited for the five
+    sites the config names, the phase task ran its rounds at the sites and forwarded each to the run's telemetry with
+    the number of sites that answered, the evaluate task wrote the report into the run's store (S3): it names the five
+    sites, and the global model learned (above chance, 1/10)."""
+    from fedpipe.run.run import Run
+
+    cfg = own_files["from_ui"]
+    store, layout = open_store(str(cfg.run.store)), Run(cfg).layout
+    summary = json.loads(store.get(layout.report("summary.json")))
+    assert sorted(summary["per_site"]) == sorted(SITES) and summary["sites"] == len(SITES) and summary["rounds"] == 2
+    assert summary["global_accuracy"] > 0.2, summary["global_accuracy"]
+    result = json.loads(store.get(f"{layout.run_id}/federation/result.json"))
+    assert result["stage"] == "evaluate" and result["round"] == 2
+    rounds = [json.loads(line) for line in store.get_text(layout.rounds("federation")).splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2] and all(r["clients"] == len(SITES) for r in rounds)
+    assert all(r["extra"]["sites_answered"] == len(SITES) for r in rounds)
+    census = next(own_files["artifacts"].rglob("census"))  # the census task's HTML artifact
+    page = census.read_text()
+    assert all(name in page for name in SITES) and "data:image/png;base64," in page

@@ -169,6 +169,12 @@ app.kubernetes.io/part-of: fedpipe
 {{- /* The name of the signing-key Secret only; the tasks read the key from it as FEDPIPE_SIGNING_KEY. */}}
 {{- $args = append $args (printf "--signing-secret=%s" (include "fedpipe.signingSecretName" .)) }}
 {{- end }}
+{{- if .Values.federation.enabled }}
+{{- /* Federation mode's defaults: the SuperLink's control Service, and its TLS Secret, whose ca.crt the federation
+     tasks mount (the run parameter engine_mode=federation picks that branch). */}}
+{{- $args = append $args (printf "--federation-superlink=%s:%d" (include "fedpipe.superlinkControlName" .) (int .Values.federation.controlPort)) }}
+{{- $args = append $args (printf "--federation-ca-secret=%s" (include "fedpipe.superlinkTlsSecret" .)) }}
+{{- end }}
 {{- toYaml $args }}
 {{- end }}
 
@@ -374,4 +380,50 @@ pytorchjob
 {{- else if and (eq $enabled "auto") (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") }}
 {{- "true" }}
 {{- end }}
+{{- end }}
+
+{{/* The federation's SuperLink (federation.enabled): name of its Deployment and fleet Service. It lives in the
+     namespace of the runs (fedpipe.kfpNamespace), where the storage and signing Secrets its ServerApps read are. */}}
+{{- define "fedpipe.superlinkName" -}}
+{{- printf "%s-superlink" (include "fedpipe.fullname" . | trunc 53 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The ClusterIP Service of the SuperLink's Control API port (the pipeline's task pods, operators). */}}
+{{- define "fedpipe.superlinkControlName" -}}
+{{- printf "%s-superlink-control" (include "fedpipe.fullname" . | trunc 45 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The Secret with the SuperLink's tls.crt, tls.key and ca.crt: federation.tls.secretName, or the one cert-manager
+     writes with federation.tls.certManager.enabled; exactly one of the two, else the render fails naming both. */}}
+{{- define "fedpipe.superlinkTlsSecret" -}}
+{{- $tls := .Values.federation.tls }}
+{{- if and $tls.secretName $tls.certManager.enabled }}
+{{- fail "federation.tls: name exactly one of federation.tls.secretName (an existing Secret with tls.crt, tls.key and ca.crt) and federation.tls.certManager.enabled (cert-manager issues it), not both" }}
+{{- else if $tls.secretName }}
+{{- $tls.secretName }}
+{{- else if $tls.certManager.enabled }}
+{{- if not $tls.certManager.issuerRef.name }}
+{{- fail "federation.tls.certManager.issuerRef.name: federation.tls.certManager.enabled needs the Issuer (or ClusterIssuer) of a private CA that signs the SuperLink's certificate" }}
+{{- end }}
+{{- default (printf "%s-tls" (include "fedpipe.superlinkName" .)) $tls.certManager.secretName }}
+{{- else }}
+{{- fail "federation.tls: name exactly one of federation.tls.secretName (an existing Secret with tls.crt, tls.key and ca.crt) and federation.tls.certManager.enabled (cert-manager issues it): the SuperLink serves TLS only (SuperNode authentication needs it)" }}
+{{- end }}
+{{- end }}
+
+{{/* DNS names the SuperLink's certificate must hold, as a YAML list: the fleet and control Services' in-cluster names
+     (the filter verifies the SuperLink by the fleet Service's .svc name), then federation.tls.extraDnsNames. */}}
+{{- define "fedpipe.superlinkDnsNames" -}}
+{{- $ns := include "fedpipe.kfpNamespace" . }}
+{{- $names := list }}
+{{- range $service := list (include "fedpipe.superlinkName" .) (include "fedpipe.superlinkControlName" .) }}
+{{- $names = concat $names (list $service (printf "%s.%s" $service $ns) (printf "%s.%s.svc" $service $ns)) }}
+{{- end }}
+{{- toYaml (concat $names .Values.federation.tls.extraDnsNames | uniq) }}
+{{- end }}
+
+{{/* The name the filter checks the SuperLink's certificate for on 127.0.0.1 (nginx's proxy_ssl_name: a DNS name,
+     nginx 1.22 matches no IP address entries). */}}
+{{- define "fedpipe.superlinkUpstreamName" -}}
+{{- printf "%s.%s.svc" (include "fedpipe.superlinkName" .) (include "fedpipe.kfpNamespace" .) }}
 {{- end }}
