@@ -89,6 +89,8 @@ def join(data: Annotated[str, typer.Option(help="This site's own data: a folder 
                           node, port)
     typer.echo(f"site {name}: {samples} samples checked; joining {superlink}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
+    # the SuperNode starts Flower's own programs (flwr-clientapp) by name: its environment's bin comes first on PATH
+    env["PATH"] = os.pathsep.join([str(Path(args[0]).parent), env.get("PATH", "")])
     sys.stdout.flush()  # exec replaces this process: what it printed must be out first
     os.execve(args[0], args, env)  # the site process becomes the SuperNode (signals, exit code and logs are its own)
 
@@ -118,7 +120,7 @@ def _check_site(data: str, root_certificates: Path, key: Path, image_size: Optio
 
 def _check_superlink(superlink: str, root_certificates: Path, timeout: float) -> str:
     """A TLS handshake with the SuperLink's fleet API, its certificate checked against the CA and its address (what
-    the SuperNode's gRPC channel checks); returns the certificate's subject. Nothing but the handshake is sent."""
+    the SuperNode's HTTPS client checks); returns the certificate's subject. Nothing but the handshake is sent."""
     import socket
     import ssl
 
@@ -126,7 +128,8 @@ def _check_superlink(superlink: str, root_certificates: Path, timeout: float) ->
     if not host or not port.isdigit():
         raise ConfigError(f"--superlink {superlink!r} is not host:port")
     context = ssl.create_default_context(cafile=str(root_certificates))
-    context.set_alpn_protocols(["h2"])  # gRPC's HTTP/2
+    # what Flower 1.42's SuperNode offers (httpx, HTTP/1.1): the chart's nginx filter refuses a handshake offering h2 only
+    context.set_alpn_protocols(["http/1.1"])
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw, \
                 context.wrap_socket(raw, server_hostname=host.strip("[]")) as tls:

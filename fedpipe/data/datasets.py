@@ -221,8 +221,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _source_with_files(self) -> DataConfig:
-        if self.dataset == FILES and not self.source:
-            raise ValueError("data.dataset=files reads your own data: set data.source to its folder or s3://bucket/prefix")
+        # data.dataset=files without data.source: refused by the run's config unless its sites hold the data (federation)
         if self.dataset != FILES and (self.source or self.snapshot or self.image_size):
             given = ", ".join(n for n in ("source", "snapshot", "image_size") if getattr(self, n))
             raise ValueError(f"data.{given} belong(s) to data.dataset=files, but data.dataset={self.dataset}; "

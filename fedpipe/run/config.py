@@ -94,6 +94,13 @@ class RunConfig(Section):
         return data
 
     @model_validator(mode="after")
+    def _files_have_a_source(self):
+        # in a federation the sites read their own files; the server side (the pipeline's tasks) reads none
+        if self.data.dataset == FILES and not self.data.source and self.engine.mode != "federation":
+            raise ValueError("data.dataset=files reads your own data: set data.source to its folder or s3://bucket/prefix")
+        return self
+
+    @model_validator(mode="after")
     def _bounded_partition(self):
         # the partition schemes' own fields (fedpipe/data/partition/) have lower bounds only; the sizes
         # that scale a partition's work and its manifest are bounded here, where the whole config is known
@@ -225,7 +232,7 @@ def with_data_snapshot(cfg: RunConfig) -> RunConfig:
     """data.dataset=files: the config with data.source resolved (`latest` -> the newest drop) and
     data.snapshot set to what is there now, so the data enters the run's id (new data is a new run, the
     same data resumes) and every later step refuses data that changed. Other datasets: `cfg` as it is."""
-    if cfg.data.dataset != FILES or cfg.data.snapshot:
+    if cfg.data.dataset != FILES or cfg.data.snapshot or not cfg.data.source:  # no source: a federation's sites hold the data
         return cfg
     from fedpipe.data.files import current_snapshot
 

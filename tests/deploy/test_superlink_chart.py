@@ -53,7 +53,7 @@ from deploytools import (
 from fedpipe.store import s3 as s3_store
 
 CERT_MANAGER_SCHEMA = Path(__file__).resolve().parent / "schemas" / "cert-manager.io_certificates.v1.cert-manager-v1.21.1.json"
-ON = ["--set", "federation.enabled=true"]
+ON = ["--set", "federation.enabled=true", "--set", "federation.tls.caSecretName=federation-ca"]
 TLS_SECRET = [*ON, "--set", "federation.tls.secretName=superlink-tls", "--set", "federation.tls.extraDnsNames={fl.example.org}"]
 CERT_MANAGER = [*ON, "--set", "federation.tls.certManager.enabled=true", "--set", "federation.tls.certManager.issuerRef.name=federation-ca",
                 "--set", "federation.tls.extraDnsNames={fl.example.org}"]
@@ -163,6 +163,7 @@ def test_the_schema_names_a_wrong_value(helm, tmp_path, values, named):
     (ON, "federation.tls: name exactly one of"),
     ([*TLS_SECRET, "--set", "federation.tls.certManager.enabled=true"], "federation.tls: name exactly one of"),
     ([*ON, "--set", "federation.tls.certManager.enabled=true"], "federation.tls.certManager.issuerRef.name"),
+    ([*TLS_SECRET, "--set", "federation.tls.caSecretName="], "federation.tls.caSecretName: name a Secret holding only ca.crt"),
 ])  # fmt: skip
 def test_values_that_only_work_together_fail_with_a_message(helm, args, message):
     proc = run_tool([helm, "template", RELEASE, str(CHART), *CLUSTER, *args], check=False)
@@ -434,8 +435,8 @@ def test_the_registered_pipeline_submits_to_this_superlink_and_mounts_its_ca(ren
     """With federation.enabled the registration Job's `fedpipe register` gets --federation-superlink (the control
     Service and port) and --federation-ca-secret (the SuperLink's TLS Secret). Compiled with exactly those flags (parsed
     by fedpipe's own CLI), the pipeline's run parameter federation_superlink defaults to the control Service, and the
-    census, phase and evaluate tasks (and no simulation task) mount the Secret where federation.root_certificates
-    points."""
+    census, phase and evaluate tasks (and no simulation task) mount the CA-only Secret (federation.tls.caSecretName) where
+    federation.root_certificates points; no task mounts the SuperLink's own TLS Secret, which holds its private key."""
     import yaml
     from typer.testing import CliRunner
 
@@ -445,7 +446,7 @@ def test_the_registered_pipeline_submits_to_this_superlink_and_mounts_its_ca(ren
     job = only(render_chart(*TLS_SECRET), "Job", "-register")
     (register,) = job["spec"]["template"]["spec"]["containers"]
     chosen = [a for a in register["args"] if a.startswith("--federation-")]
-    assert chosen == [f"--federation-superlink={CONTROL}:9091", "--federation-ca-secret=superlink-tls"]
+    assert chosen == [f"--federation-superlink={CONTROL}:9091", "--federation-ca-secret=federation-ca"]  # the CA alone: no key
     out = tmp_path / "fedavg.yaml"
     result = CliRunner().invoke(app, ["compile", "--set", "method.name=fedavg", "--out", str(out), *chosen])
     assert result.exit_code == 0, result.output
@@ -455,5 +456,6 @@ def test_the_registered_pipeline_submits_to_this_superlink_and_mounts_its_ca(ren
     assert params["federation_root_certificates"]["defaultValue"] == f"{FEDERATION_CA_DIR}/ca.crt"
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     mounted = sorted(label for label, config in executors.items()
-                     if any(v["secretName"] == "superlink-tls" and v["mountPath"] == FEDERATION_CA_DIR for v in config.get("secretAsVolume", [])))
+                     if any(v["secretName"] == "federation-ca" and v["mountPath"] == FEDERATION_CA_DIR for v in config.get("secretAsVolume", [])))
     assert mounted == ["exec-federated-census", "exec-federated-evaluate", "exec-federated-phase"]
+    assert not [label for label, config in executors.items() if any(v["secretName"] == "superlink-tls" for v in config.get("secretAsVolume", []))]

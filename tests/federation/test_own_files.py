@@ -114,7 +114,8 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         # task its own process): the census, the phase and the evaluation, each a submission of its own
         from_ui = load_config(None, [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
                                      f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.site_names=[{','.join(SITES)}]",
-                                     f"run.store=s3://{PIPELINE_BUCKET}/fedpipe", "run.id=from-the-ui", "train.rounds=2"])
+                                     f"run.store=s3://{PIPELINE_BUCKET}/fedpipe", "run.id=from-the-ui", "train.rounds=2",
+                                     "registry.name=hospitals-ui", "registry.gate_metric=global_accuracy"])
         artifacts = run_method_locally(from_ui, work / "kfp")
         evaluation_ui = json.loads(open_store(str(from_ui.run.store)).get("from-the-ui/federation/evaluation.json"))
         logs = {name: fed.log_of(name) for name in SITES}
@@ -261,3 +262,9 @@ def test_the_pipeline_in_federation_mode_runs_at_the_sites(own_files):
     census = next(own_files["artifacts"].rglob("census"))  # the census task's HTML artifact
     page = census.read_text()
     assert all(name in page for name in SITES) and "data:image/png;base64," in page
+    from fedpipe.models.line import ModelLine  # the publish task: the global model, the first version of its line
+
+    line = ModelLine(store, "hospitals-ui")
+    (version,) = line.versions()
+    record = line.record(version)
+    assert record.run_id == layout.run_id and record.decision["promoted"] and line.promoted() == version and record.clients == ()

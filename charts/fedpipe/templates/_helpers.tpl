@@ -170,10 +170,13 @@ app.kubernetes.io/part-of: fedpipe
 {{- $args = append $args (printf "--signing-secret=%s" (include "fedpipe.signingSecretName" .)) }}
 {{- end }}
 {{- if .Values.federation.enabled }}
-{{- /* Federation mode's defaults: the SuperLink's control Service, and its TLS Secret, whose ca.crt the federation
-     tasks mount (the run parameter engine_mode=federation picks that branch). */}}
+{{- /* Federation mode's defaults: the SuperLink's control Service, and the Secret holding only the CA certificate,
+     which the federation tasks mount (the run parameter engine_mode=federation picks that branch). */}}
 {{- $args = append $args (printf "--federation-superlink=%s:%d" (include "fedpipe.superlinkControlName" .) (int .Values.federation.controlPort)) }}
-{{- $args = append $args (printf "--federation-ca-secret=%s" (include "fedpipe.superlinkTlsSecret" .)) }}
+{{- if not .Values.federation.tls.caSecretName }}
+{{- fail "federation.tls.caSecretName: name a Secret holding only ca.crt (the federation's CA certificate) for the pipeline's federation tasks to mount: not the SuperLink's own TLS Secret, whose private key a task pod must never get (`fedpipe federation certs` writes ca.secret.yaml)" }}
+{{- end }}
+{{- $args = append $args (printf "--federation-ca-secret=%s" .Values.federation.tls.caSecretName) }}
 {{- end }}
 {{- toYaml $args }}
 {{- end }}
