@@ -15,6 +15,7 @@ skipped silently).
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +150,19 @@ def prometheus(pushgateway: str, services_dir: Path) -> Iterator[str]:
     )
     yield url
     stop_server(server)
+
+
+FLOWER_ENV = Path(__file__).resolve().parents[1] / ".cache" / "flower-venv"
+
+
+@pytest.fixture(scope="session")
+def flower_env() -> Path:
+    """The Flower 1.42 environment; built by scripts/flower-env.sh when missing or stale (about a minute here; the script
+    holds a lock, so two xdist workers asking at once build it once). Every test that runs Flower's code asks for it."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["nice", "-n", "10", "bash", str(root / "scripts" / "flower-env.sh"), str(FLOWER_ENV)],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        pytest.fail(f"scripts/flower-env.sh could not build the Flower environment at {FLOWER_ENV} (exit {r.returncode}); "
+                    f"the federation tests need it:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return FLOWER_ENV

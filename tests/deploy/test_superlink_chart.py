@@ -269,30 +269,28 @@ def test_notes_say_how_sites_reach_it(helm):
         assert part in notes, notes
 
 
-def _flower_source(module: str) -> str:
-    from fedpipe.federation import flower_env
-
-    found = sorted(flower_env().glob(f"lib/python3*/site-packages/flwr/{module}"))
+def _flower_source(env: Path, module: str) -> str:
+    found = sorted(env.glob(f"lib/python3*/site-packages/flwr/{module}"))
     if not found:
-        pytest.fail(f"flwr/{module} not found in the Flower environment {flower_env()}: run scripts/flower-env.sh", pytrace=False)
+        pytest.fail(f"flwr/{module} not found in the Flower environment {env}: run scripts/flower-env.sh", pytrace=False)
     return found[0].read_text()
 
 
-def _flower_paths(module: str) -> set[str]:
-    return set(re.findall(r'path="(/v1/[^"]*)"', _flower_source(module)))
+def _flower_paths(env: Path, module: str) -> set[str]:
+    return set(re.findall(r'path="(/v1/[^"]*)"', _flower_source(env, module)))
 
 
-def test_every_call_of_flowers_clients_passes_the_filters_path_rule(render_chart):
+def test_every_call_of_flowers_clients_passes_the_filters_path_rule(render_chart, flower_env):
     """The filter passes a request line only when it is exactly /v1/fleet/<call> (or /v1/control/<call>) with <call> in
     [a-z0-9-]: each path Flower 1.42's SuperNode (supernode/fleet_http_client.py) and `flwr` CLI (the Control API's
     routes, superlink/routers/control/router.py) use matches; nothing with a dot segment, an escape or a query does."""
     conf = nginx_conf(render_chart(*TLS_SECRET))
     fleet_rule = re.search(r'\$request_uri !~ "(\^/v1/fleet/[^"]+)"', conf)[1]
     control_rule = re.search(r'\$request_uri !~ "(\^/v1/control/[^"]+)"', conf)[1]
-    fleet = _flower_paths("supernode/fleet_http_client.py")
+    fleet = _flower_paths(flower_env, "supernode/fleet_http_client.py")
     assert len(fleet) >= 10 and all(p.startswith("/v1/fleet/") for p in fleet), fleet
     assert all(re.match(fleet_rule, p) for p in fleet), [p for p in fleet if not re.match(fleet_rule, p)]
-    control = {"/v1/control" + p for p in re.findall(r'@router\.post\("(/[^"]+)"\)', _flower_source("superlink/routers/control/router.py"))}
+    control = {"/v1/control" + p for p in re.findall(r'@router\.post\("(/[^"]+)"\)', _flower_source(flower_env, "superlink/routers/control/router.py"))}
     assert len(control) >= 20 and all(re.match(control_rule, p) for p in control)
     for sneaky in ("/v1/fleet/../control/list-nodes", "/v1/fleet/%2e%2e/control/list-nodes", "/v1/fleet//x",
                    "/v1/fleet/get-run?x=1", "/v1/fleet/"):
@@ -321,7 +319,7 @@ def _as_here(text: str, paths: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def live_filter(helm):
+def live_filter(helm, flower_env):
     """The chart's SuperLink pod on this machine: `flower-superlink` with the rendered container's args, and the real
     nginx with the rendered nginx.conf. The chart is rendered with free loopback ports for federation.fleetPort,
     controlPort and linkPort (so no port is rewritten); only file paths are: the TLS Secret's mount
@@ -329,21 +327,14 @@ def live_filter(helm):
     .svc name, as the chart requires), /tmp/ (the emptyDirs) and the state volume become folders here. Run as root
     here, nginx runs as nobody (setpriv), as the pod runs it non-root."""
     import shutil
-    import subprocess
 
     from services import find_binary
 
-    from fedpipe.federation import flower_env
     from fedpipe.federation.certs import make_tls
     from fedpipe.federation.tryout import CONNECTION, LoopbackFederation, free_port, write_connection
 
     nginx = find_binary("nginx")
-    env = flower_env()
-    if not (env / "bin" / "flower-superlink").exists():
-        r = subprocess.run(["bash", str(Path(__file__).resolve().parents[2] / "scripts" / "flower-env.sh"), str(env)],
-                           capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            pytest.fail(f"scripts/flower-env.sh could not build the Flower environment at {env}:\n{r.stderr[-3000:]}")
+    env = flower_env  # built (or reused) by the session fixture (tests/conftest.py)
     fleet, control, link = free_port(), free_port(), free_port()
     docs = parse_docs(run_tool([helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *CLUSTER, *TLS_SECRET,
                                 "--set", f"federation.fleetPort={fleet}", "--set", f"federation.controlPort={control}",

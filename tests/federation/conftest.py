@@ -1,14 +1,8 @@
-"""Fixtures of the federation tests: the Flower environment (scripts/flower-env.sh), built or reused once a session."""
+"""The federation tests' markers and grouping (the Flower environment fixture, `flower_env`, is tests/conftest.py's)."""
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-FLOWER_ENV = ROOT / ".cache" / "flower-venv"
 
 
 def pytest_configure(config):
@@ -37,14 +31,3 @@ def pytest_collection_modifyitems(config, items):
         groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
         if groups and "@" not in item.nodeid:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
-
-
-@pytest.fixture(scope="session")
-def flower_env() -> Path:
-    """The Flower 1.42 environment; built by scripts/flower-env.sh when missing or stale (about a minute here)."""
-    r = subprocess.run(["nice", "-n", "10", "bash", str(ROOT / "scripts" / "flower-env.sh"), str(FLOWER_ENV)],
-                       capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        pytest.fail(f"scripts/flower-env.sh could not build the Flower environment at {FLOWER_ENV} (exit {r.returncode}); "
-                    f"the federation tests need it:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    return FLOWER_ENV
