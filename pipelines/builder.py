@@ -448,10 +448,12 @@ def method_pipeline(cfg: RunConfig, options: DeployOptions = DeployOptions()) ->
         v = _bind(signature, args, kwargs)
         resolve = _resolve_task(c, v, fields, "").set_display_name("config")
         _step(resolve, v, options)
-        with dsl.If(resolve.outputs["Output"] == "federation", name="federation"):
-            _federated_branch(c, v, options, cfg, resolve.outputs["config"])
-        with dsl.Else(name="simulation"):
+        # the simulation branch first: kfp names tasks in the order they are made, so its tasks keep their plain names
+        # (partition, train-phase, evaluate, publish: the local runner's artifact folders), the federation's get -2
+        with dsl.If(resolve.outputs["Output"] != "federation", name="simulation"):
             _method_branch(c, v, options, cfg, fields, None, None, publish=True, config=resolve.outputs["config"])
+        with dsl.Else(name="federation"):
+            _federated_branch(c, v, options, cfg, resolve.outputs["config"])
 
     return _as_pipeline(body, signature, name, f"{cfg.method.name}: {ALGORITHMS[cfg.method.name].paper}. "
                         "Simulation (engine_mode): partition, one task per training phase, evaluation; federation: the sites' "

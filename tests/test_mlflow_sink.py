@@ -307,7 +307,8 @@ def test_under_kfp_2_17s_mlflow_plugin_fedpipe_logs_into_each_tasks_run_and_the_
     from fedpipe.pipelines.builder import SHIPPED
 
     spec = next(yaml.safe_load_all((SHIPPED / "fedavg.yaml").read_text()))
-    tasks = run_pipeline(spec, {}, "2.17.0", random.Random(0))
+    # the simulation branch's tasks (inside the pipeline's engine_mode branches), by their own names
+    tasks = {name.rsplit("/", 1)[-1]: task for name, task in run_pipeline(spec, {}, "2.17.0", random.Random(0)).items()}
     experiment = client.create_experiment("kfp-2-17-fedavg")
     parent, task_runs = _kfp_2_17_task_runs(client, experiment, tasks)
     _inject(monkeypatch, mlflow_uri, experiment, task_runs["train-phase"])

@@ -118,7 +118,7 @@ def test_fedavg_federated_equals_simulation(loopback):
         worst = max(worst, float((fed[name] - sim[name]).abs().max()))
     print(f"largest parameter difference federation vs simulation: {worst:.3g}")
     # and the rounds really trained: the model moved away from its start
-    assert loopback["result"] == {"phase": "federation", "round": 3, "sites": 4, "server_client_states": 0}
+    assert loopback["result"] == {"stage": "evaluate", "phase": "federation", "round": 3, "sites": 4, "server_client_states": 0}
     assert [r["clients"] for r in loopback["rounds"]] == [4, 4, 4]
     assert all(r["failed"] == 0 and r["bytes_up"] > 0 for r in loopback["rounds"])
 

@@ -102,7 +102,8 @@ def test_global_model_equals_simulation(methods, name):
     for k in sim:
         torch.testing.assert_close(fed[k], sim[k], rtol=RTOL, atol=ATOL, msg=lambda msg, k=k: f"{name} {k}: {msg}")
     phases = m["spec"].phases()
-    assert m["result"] == {"phase": phases[-1].name, "round": phases[-1].last_round, "sites": 4, "server_client_states": 0}
+    assert m["result"] == {"stage": "evaluate", "phase": phases[-1].name, "round": phases[-1].last_round, "sites": 4,
+                           "server_client_states": 0}
     assert all((r["clients"], r["failed"], r["rejected"]) == (4, 0, []) for r in m["rounds"]), m["rounds"]
     communicating = [r for r in m["rounds"] if r["phase"] == "federation"]
     assert len(communicating) == 2 and all(r["bytes_up"] > 0 for r in communicating)

@@ -148,7 +148,7 @@ def secure(tmp_path_factory, flower_env):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_rounds_are_securely_aggregated(secure):
-    assert secure["result"] == {"phase": "federation", "round": 2, "sites": 4, "server_client_states": 0}
+    assert secure["result"] == {"stage": "evaluate", "phase": "federation", "round": 2, "sites": 4, "server_client_states": 0}
     for r in secure["rounds"]:
         sa = r["secure_aggregation"]
         assert r["clients"] == 4 and r["failed"] == 0 and r["rejected"] == []

@@ -85,7 +85,7 @@ def test_the_restarted_server_resumes_from_its_checkpoint(restarted):
     assert restarted["resumes"] == [{"from_phase": "federation", "from_round": at_kill}]
     assert [r["round"] for r in restarted["rounds"]] == [1, 2, 3]  # each round trained once: none repeated, none skipped
     assert all(r["clients"] == 4 and r["failed"] == 0 for r in restarted["rounds"])
-    assert restarted["result"] == {"phase": "federation", "round": 3, "sites": 4, "server_client_states": 0}
+    assert restarted["result"] == {"stage": "evaluate", "phase": "federation", "round": 3, "sites": 4, "server_client_states": 0}
 
 
 def test_the_resumed_run_ends_at_the_uninterrupted_global_model(restarted):

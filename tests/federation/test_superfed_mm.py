@@ -85,7 +85,7 @@ def test_killed_site_rejoins_with_its_state(superfed):
 
 
 def test_personal_state_only_at_the_sites(superfed):
-    assert superfed["result"] == {"phase": "personalization", "round": 4, "sites": 4, "server_client_states": 0}
+    assert superfed["result"] == {"stage": "evaluate", "phase": "personalization", "round": 4, "sites": 4, "server_client_states": 0}
     out = superfed["work"] / "out"
     assert sorted(p.name for p in out.iterdir()) == ["census.json", "evaluation.json", "global.safetensors", "result.json",
                                                      "rounds.jsonl", "server-state.pt"]
