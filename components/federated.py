@@ -34,13 +34,12 @@ def _run(config_path: str) -> Run:
 
 def census(config_path: str, html_path: str) -> str:
     """Wait for the sites and take their census; returns their names, comma-separated."""
-    from fedpipe.federation.launch import federate
+    from fedpipe.federation.launch import federate, submission
     from fedpipe.plots import census_heatmap
 
     run = _run(config_path)
     result = federate(run.cfg, stage="census")
-    sites = run.store.get(f"{run.layout.run_id}/federation/census.json")
-    table = json.loads(sites)
+    table = json.loads(submission(run.cfg).read("census.json") or b'{"sites": []}')  # bounded (federation.outputs.LIMITS)
     lines = [f"{len(table['sites'])} sites answered the census: {', '.join(map(str, result.get('names', [])))}"]
     images = {}
     if table["sites"] and table["sites"][0].get("counts"):  # with privacy on the sites withhold their label counts
@@ -59,7 +58,7 @@ class RoundForwarder:
     what `fedpipe.telemetry.release` allows)."""
 
     def __init__(self, run: Run, phase: str, rounds: range):
-        self.run, self.phase, self.order = run, phase, list(rounds)
+        self.phase, self.order = phase, list(rounds)
         self.rounds = len(self.order)
         self.sinks = run.default_sinks(phase)
         self.labels = run.labels(phase)
@@ -102,7 +101,7 @@ class RoundForwarder:
 def phase(config_path: str, phase_name: str, previous_path: str | None, state_path: str) -> dict:
     """One phase's rounds at the sites; writes the stage's result (phase, last round, sites) into `state_path`;
     returns the last round's figures (only the releasable ones with privacy on)."""
-    from fedpipe.federation.launch import federate
+    from fedpipe.federation.launch import federate, submission
 
     run = _run(config_path)
     phases = run.phases()
@@ -117,7 +116,7 @@ def phase(config_path: str, phase_name: str, previous_path: str | None, state_pa
     finally:
         forward.close()
     Path(state_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(state_path).write_text(json.dumps({**result, "store_url": run.store.url(f"{run.layout.run_id}/federation")}))
+    Path(state_path).write_text(json.dumps({**result, "store_url": submission(run.cfg).url}))
     last = forward.last or {"round": result.get("round", 0)}
     return releasable_row(last) if run.cfg.privacy.enabled else last
 

@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from fedpipe.errors import ConfigError
+from fedpipe.safe_load import read_file
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> Path:
@@ -160,11 +161,7 @@ def federation_hosts(hosts: list[str] | tuple[str, ...]) -> tuple[str, ...]:
 def _read_bounded(path: Path, what: str) -> bytes:
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist")
-    with open(path, "rb") as f:
-        data = f.read(_MAX_PEM_BYTES + 1)
-    if len(data) > _MAX_PEM_BYTES:
-        raise ConfigError(f"{what} {path} is larger than {_MAX_PEM_BYTES // 1024} KiB: not a key or certificate file")
-    return data
+    return read_file(path, _MAX_PEM_BYTES, what).encode()
 
 
 def _load_ca(folder: Path) -> tuple[x509.Certificate, object]:
@@ -273,10 +270,7 @@ def load_site_public_key(path: str | Path, limit: int = 16 * 1024):
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: give the site's public key file (NAME.pub from `fedpipe site keygen`)")
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ConfigError(f"{path} is larger than {limit // 1024} KiB: not an OpenSSH public key (one line, NAME.pub)")
+    data = read_file(path, limit, "site public key (NAME.pub)").encode()
     if b"PRIVATE KEY" in data:
         raise ConfigError(f"{path} is a PRIVATE key: the site must send only its public key, the .pub file "
                           "(`fedpipe site keygen` writes NAME.pub beside NAME.key). A private key never leaves its site: "
