@@ -13,6 +13,7 @@ the Go sources it follows) and the local Pushgateway and S3 server (tests/servic
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -267,9 +268,14 @@ def test_the_pushgateway_test_pushes_finds_and_deletes_its_group(helm: str, push
     in_cluster = f"http://fedpipe-pushgateway.{NAMESPACE}:9091"
     result = ok(run_container(container, monkeypatch, tmp_path, {in_cluster: pushgateway}))
     assert "pushed, found and deleted" in result.stdout
-    with urllib.request.urlopen(f"{pushgateway}/api/v1/metrics") as response:
-        groups = json.load(response)["data"]
-    assert not [g for g in groups if g["labels"].get("job") == "fedpipe-check"], "the check left its group behind"
+    # the Pushgateway answers a DELETE with 202 and applies it from its write queue (storage/diskmetricstore.go's
+    # SubmitWriteRequest), so the group may be listed for a moment after the check returned
+    deadline, groups = time.monotonic() + 10, ["?"]
+    while groups and time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{pushgateway}/api/v1/metrics") as response:
+            groups = [g for g in json.load(response)["data"] if g["labels"].get("job") == "fedpipe-check"]
+        time.sleep(0.1 if groups else 0)
+    assert not groups, "the check left its group behind"
     # a Pushgateway nobody serves, and one behind Istio's sidecar that denies the push, fail the test
     dead = f"http://127.0.0.1:{port_factory()}"
     assert "did not take a push" in failed(run_container(container, monkeypatch, tmp_path, {in_cluster: dead}))
