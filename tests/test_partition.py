@@ -283,6 +283,37 @@ def test_majority_p_point_two_is_iid_on_ten_classes():
         np.testing.assert_array_equal(np.bincount(labels[part], minlength=10), np.full(10, 10))
 
 
+def test_majority_minority_from_the_pool_is_a_uniform_draw_of_the_other_classes():
+    # minority="pool": the n - m others are a uniform draw from the unused samples of the other classes, so a
+    # client's count of one other class is hypergeometric (mean (n - m) / 8, variance about (n - m) * 1/8 * 7/8 on a
+    # big balanced pool), where "even" gives every other class (n - m) / 8 exactly
+    labels = make_labels([4000] * 10, 0)
+    n, p = 100, 0.3
+    m = half_up(p, n)
+    for minority in ("even", "pool"):
+        parts = majority_class(labels, 10, np.random.default_rng(1), num_clients=200, p=p, samples_per_client=n, minority=minority)
+        assert_disjoint_in_range(parts, labels.size)
+        others = []
+        for part in parts:
+            counts = np.bincount(labels[part], minlength=10)
+            assert part.size == n
+            pair = [(a, b) for a in range(10) for b in range(a + 1, 10) if counts[a] + counts[b] == m and min(counts[a], counts[b]) >= m // 2]
+            assert pair, counts  # the two majority classes make exactly m, split evenly
+            others += [counts[o] for o in range(10) if o not in pair[0]]
+        others = np.asarray(others)
+        assert abs(others.mean() - (n - m) / 8) < 0.05
+        if minority == "even":
+            assert set(others.tolist()) <= {(n - m) // 8, -(-(n - m) // 8)}
+        else:
+            assert 0.8 < others.var() / ((n - m) * (1 / 8) * (7 / 8)) < 1.1
+
+
+def test_majority_minority_from_the_pool_says_when_the_pool_runs_out():
+    labels = make_labels([60] * 4, 0)
+    with pytest.raises(DataError, match="minority=pool.*pool has"):
+        majority_class(labels, 4, np.random.default_rng(0), num_clients=4, p=0.0, samples_per_client=60, majority_classes=1, minority="pool")
+
+
 # --- random_class_shares ---------------------------------------------------------------------------
 
 

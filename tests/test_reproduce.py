@@ -6,6 +6,7 @@ reproduction runs end to end (and resumes) on tiny data written in the dataset's
 from __future__ import annotations
 
 import json
+import re
 import math
 from pathlib import Path
 
@@ -134,6 +135,33 @@ def test_records_are_checked_and_departures_kept_apart(tmp_path):
     path.write_text(json.dumps(dict(good, measures={"mixture.local": "0.9; rm -rf /"})) + "\n")
     with pytest.raises(ConfigError, match="line 1 is not a reproduction record"):
         read_records(path)
+
+
+def test_an_appendix_becomes_a_section_of_text_and_a_bad_one_is_refused_by_name(tmp_path):
+    records = tmp_path / "runs.jsonl"
+    records.write_text(json.dumps({"point": {"p": "0.3"}, "seed": 0, "overrides": [], "measures": {"local.global": 0.62}}) + "\n")
+    section = {"title": "Local at p = 0.3, one factor at a time", "paragraphs": ["<script>alert(1)</script> is text"],
+               "header": ["factor", "Local global"], "rows": [["ours", "62.2"], ["patience 1", "41.0"]], "after": ["Conclusion: patience."]}
+    good = tmp_path / "factors.json"
+    good.write_text(json.dumps(section))
+    out = tmp_path / "out"
+    base = ["reproduce", "fedmoe_table1_fashion_mnist", "--report-only", "--out", str(out), "--records", str(records)]
+    result = CliRunner().invoke(app, [*base, "--appendix", str(good)])
+    assert result.exit_code == 0, result.output
+    md = (out / "fedmoe_table1_fashion_mnist.md").read_text()
+    assert md.index("## Local at p = 0.3, one factor at a time") > md.index("## The paper's claims")
+    assert "| patience 1 | 41\\.0 |" in md or "| patience 1 | 41.0 |" in md, md
+    assert "Conclusion: patience" in md and "<script>" not in (out / "fedmoe_table1_fashion_mnist.html").read_text()
+    assert json.loads((out / "fedmoe_table1_fashion_mnist.json").read_text())["appendices"][0]["rows"][1] == ["patience 1", "41.0"]
+    for bad, message in ((dict(section, rows=[["ours"]]), "row 1 has not the header's 2 cells"),
+                         (dict(section, rows="ours"), "rows"), ("[", "is not a valid reproduction appendix: Expecting value"),
+                         (dict(section, script="x"), "script")):
+        good.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        result = CliRunner().invoke(app, [*base, "--appendix", str(good)])
+        assert result.exit_code != 0 and re.search(message, result.output), result.output
+    good.write_text(" " * (300 * 2**10))
+    result = CliRunner().invoke(app, [*base, "--appendix", str(good)])
+    assert result.exit_code != 0 and "more than the 256 KiB a reproduction appendix can be" in result.output, result.output
 
 
 def tiny_fashion_mnist(root: Path) -> Path:

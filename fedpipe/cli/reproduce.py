@@ -24,6 +24,8 @@ def reproduce(
     records: Annotated[Optional[list[Path]], typer.Option("--records", help="Also read these runs.jsonl files (runs made elsewhere).")] = None,
     report_only: Annotated[bool, typer.Option("--report-only", help="Run nothing: write the report from the records there are.")] = False,
     note: Annotated[str, typer.Option(help="A paragraph for the report's head (e.g. which runs are still going, and where; at most 2,000 characters are kept).")] = "",
+    appendix: Annotated[Optional[list[Path]], typer.Option("--appendix", help="A section to add after the claims, from a JSON file "
+                        "{title, paragraphs, header, rows, after} (repeatable), e.g. the factor table benchmarks/fedmoe_local_factors.py writes.")] = None,
 ):
     """Run a paper's table (reproductions/NAME.yaml: the setting of the paper's section, every value cited, and the
     paper's numbers with their table and cell) and write a report with, per cell, the paper's number, ours (mean and
@@ -38,7 +40,7 @@ def reproduce(
     """
     from fedpipe.study.reproduce import departures, matching, read_records
     from fedpipe.study.reproduce import reproduce as run_reproduction
-    from fedpipe.study.reproduce_report import write_reproduction_report
+    from fedpipe.study.reproduce_report import read_appendix, write_reproduction_report
     from fedpipe.study.reproduction import find_reproduction, load_reproduction, reproductions_folder
 
     if list_:
@@ -49,6 +51,7 @@ def reproduce(
     if name is None:
         raise ConfigError("Name a reproduction (`fedpipe reproduce --list` lists them), or pass --list.")
     repro = load_reproduction(find_reproduction(name))
+    sections = [read_appendix(path) for path in appendix or []]  # before any run: a bad file fails now, not after hours
     extra = [*(set or []), *([f"train.rounds={rounds}"] if rounds is not None else [])]
     wanted = sorted(seeds) if seeds else list(range(repro.seeds))
     folder = out or Path("reproductions-out") / repro.name
@@ -70,7 +73,8 @@ def reproduce(
         if not extra_file.is_file():
             raise ConfigError(f"--records {extra_file}: no such file.")
         found = matching(found + matching(read_records(extra_file), extra), extra)
-    report = write_reproduction_report(repro, found, folder, wanted, departures(extra), note[:2000])
+    report = write_reproduction_report(repro, found, folder, wanted, departures(extra), note[:2000],
+                                       sections)
     typer.echo(f"{len(found)} run(s) recorded; report: {report}")
 
 

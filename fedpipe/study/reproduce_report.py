@@ -5,6 +5,8 @@ paper's own numbers and on ours, at each point of the table; the setting with it
 Written as <name>.md, <name>.html (self-contained), <name>.json and <name>_vs_paper.png.
 
 The records may come from another machine: every label is text, escaped by the Page renderer (never markup).
+So may an appendix (`--appendix FILE`: a section of the report from a JSON file, e.g. the table of an experiment on a
+gap, as benchmarks/fedmoe_local_factors.py writes one): bounded, validated field by field, and rendered as text.
 """
 
 from __future__ import annotations
@@ -15,12 +17,49 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from pydantic import Field, ValidationError, model_validator
 
+from fedpipe.config import Section, format_validation_error
+from fedpipe.errors import ConfigError
+from fedpipe.safe_load import parse_json, read_file
 from fedpipe.study.report import Page, _png
 from fedpipe.study.reproduction import Claim, Reproduction
 from fedpipe.study.stats import Interval, mean_ci
 
 MINUS = "\N{MINUS SIGN}"
+MAX_APPENDIX_BYTES = 256 * 2**10
+
+
+class Appendix(Section):
+    """A section of the report from a file: a title, paragraphs, one table and paragraphs after it (all text)."""
+
+    title: str = Field(min_length=1, max_length=200)
+    paragraphs: list[str] = Field(default_factory=list, max_length=20)
+    header: list[str] = Field(default_factory=list, max_length=16)
+    rows: list[list[str]] = Field(default_factory=list, max_length=400)
+    after: list[str] = Field(default_factory=list, max_length=20)
+
+    @model_validator(mode="after")
+    def _bounded_and_square(self):
+        if any(len(t) > 4000 for t in [*self.paragraphs, *self.after]):
+            raise ValueError("a paragraph is longer than 4,000 characters")
+        if any(len(t) > 300 for t in [*self.header, *(c for r in self.rows for c in r)]):
+            raise ValueError("a table cell is longer than 300 characters")
+        if bad := [i for i, r in enumerate(self.rows, 1) if len(r) != len(self.header)]:
+            raise ValueError(f"row {bad[0]} has not the header's {len(self.header)} cells")
+        return self
+
+
+def read_appendix(path: Path) -> Appendix:
+    """An appendix file (JSON: title, paragraphs, header, rows, after), bounded and validated. Raises ConfigError."""
+    where = f"--appendix {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: no such file.")
+    tree = parse_json(read_file(path, MAX_APPENDIX_BYTES, "reproduction appendix").encode(), where, "reproduction appendix", MAX_APPENDIX_BYTES, ConfigError)
+    try:
+        return Appendix.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"{where} is not an appendix ({{title, paragraphs, header, rows, after}}): " + format_validation_error(e)) from None
 
 
 def _key(point: dict[str, str]) -> tuple:
@@ -215,8 +254,9 @@ def _missing(repro: Reproduction, ours: Measures, seeds: list[int]) -> list[str]
 
 
 def write_reproduction_report(repro: Reproduction, records: list[dict], out: Path, seeds: list[int],
-                              departures: list[str], note: str = "") -> Path:
-    """Write <out>/<name>.md, .html, .json and the figure; returns the Markdown's path."""
+                              departures: list[str], note: str = "", appendices: list[Appendix] = ()) -> Path:
+    """Write <out>/<name>.md, .html, .json and the figure; returns the Markdown's path. Each appendix is a section
+    after the claims."""
     ours = Measures(records)
     page = Page()
     page.heading(1, f"Reproduction: {repro.name}")
@@ -250,6 +290,14 @@ def write_reproduction_report(repro: Reproduction, records: list[dict], out: Pat
                   "'~' when it is within the claim's tolerance.")
         rows, claims = claim_rows(repro, ours)
         page.table(["claim", "at", "paper", "ours"], rows)
+    for section in appendices:
+        page.heading(2, section.title)
+        for text in section.paragraphs:
+            page.text(text)
+        if section.header:
+            page.table(section.header, section.rows)
+        for text in section.after:
+            page.text(text)
     page.heading(2, "Setting")
     page.table(["config", "value", "from the paper"], [[k, json.dumps(v.value), v.cite] for k, v in repro.setting.items()]
                + [[f"{name} ({a.key or 'sets'})", ", ".join(a.overrides()), a.cite] for name, a in repro.axes.items()])
@@ -263,6 +311,7 @@ def write_reproduction_report(repro: Reproduction, records: list[dict], out: Pat
         (out / name).write_bytes(data)
     (out / f"{repro.name}.md").write_text(page.markdown())
     (out / f"{repro.name}.html").write_text(page.html(f"Reproduction: {repro.name}", images))
-    summary = {"name": repro.name, "departures": departures, "seeds": seeds, "cells": cells, "claims": claims, "missing": missing}
+    summary = {"name": repro.name, "departures": departures, "seeds": seeds, "cells": cells, "claims": claims, "missing": missing,
+               "appendices": [a.model_dump() for a in appendices]}
     (out / f"{repro.name}.json").write_text(json.dumps(summary, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v))
     return out / f"{repro.name}.md"

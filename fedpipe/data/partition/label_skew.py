@@ -58,6 +58,12 @@ class MajorityClassPartition(_FixedClientsBase):
     majority_classes: int = Field(2, ge=1)
     """Number of majority classes per client, at least 1 and at most the classes in the pool."""
 
+    minority: Literal["even", "pool"] = "even"
+    """How the (1 - p) part is drawn. even: spread as evenly as possible over the other classes (p = 2/C is then
+    exactly IID). pool: drawn uniformly from what is left of the other classes in the pool, so each client's
+    class counts there vary (hypergeometrically). The paper says only that the other classes form fraction
+    1 - p (Listo Zec et al., Sec. 4); both readings agree in expectation on balanced data."""
+
 
 class RandomClassSharesPartition(_FixedClientsBase):
     """pFedMB's CIFAR-100 split: random classes per client, class samples shared by random weights."""
@@ -166,6 +172,7 @@ def majority_class(
     p: float = 0.8,
     samples_per_client: int = 100,
     majority_classes: int = 2,
+    minority: str = "even",
 ) -> list[np.ndarray]:
     """Majority-class skew of the federated mixture of experts paper (Listo Zec et al., Sec. 4).
 
@@ -174,8 +181,8 @@ def majority_class(
     m = round(p * n) (halves up) samples come from the client's `majority_classes` classes, split
     between them as evenly as possible, and the n - m others are spread as evenly as possible over
     all other classes of the pool (extra units to random classes). So p = 2/C gives an IID split, as
-    the paper says of p = 0.2 on 10 classes. The authors' code draws the minority part uniformly from
-    the remaining pool instead, which is the same in expectation on balanced data. Majority classes
+    the paper says of p = 0.2 on 10 classes. minority="pool" draws them uniformly from what is left of
+    the other classes' samples instead (the same in expectation on balanced data). Majority classes
     are spread evenly over clients (fewest holders first, ties at random); the authors' code draws them
     independently at random. Samples are drawn without replacement; the rest of the pool is unused.
     Settings a class cannot supply raise DataError."""
@@ -187,11 +194,20 @@ def majority_class(
     m = _round_half_up(p * n)
     sets = _balanced_class_sets(present, k_clients, m_classes, rng)
     demand = np.zeros((k_clients, num_classes), dtype=np.int64)
+    if minority not in ("even", "pool"):
+        raise DataError(f"partition.minority must be 'even' or 'pool', got {minority!r}.")
     for i in range(k_clients):
         demand[i, sets[i]] = _even_split(m, m_classes, rng)
         if n - m > 0:
             others = np.setdiff1d(present, sets[i])
-            demand[i, others] = _even_split(n - m, others.size, rng)
+            if minority == "pool":  # a uniform draw without replacement from the others' unused samples
+                left = np.maximum(counts[others] - demand[:i, others].sum(axis=0), 0)
+                if left.sum() < n - m:
+                    raise DataError(f"partition.minority=pool: client {i} needs {n - m} samples of classes other than its "
+                                    f"majority ones but the pool has {left.sum()} left; lower samples_per_client or num_clients.")
+                demand[i, others] = rng.multivariate_hypergeometric(left, n - m)
+            else:
+                demand[i, others] = _even_split(n - m, others.size, rng)
     need = demand.sum(axis=0)
     short = np.flatnonzero(need > counts)
     if short.size:
