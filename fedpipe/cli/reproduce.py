@@ -55,14 +55,7 @@ def reproduce(
     extra = [*(set or []), *([f"train.rounds={rounds}"] if rounds is not None else [])]
     wanted = sorted(seeds) if seeds else list(range(repro.seeds))
     folder = out or Path("reproductions-out") / repro.name
-    chosen = {}
-    for item in only or []:
-        axis, sep, labels = item.partition("=")
-        if not sep or not labels:
-            raise ConfigError(f"--only {item!r}: expected AXIS=LABEL[,LABEL], e.g. --only p=0.3,1")
-        from fedpipe.study.reproduction import label
-
-        chosen[axis.strip()] = chosen.get(axis.strip(), frozenset()) | {label(_number(v.strip())) for v in labels.split(",")}
+    chosen = _only(only or [])
     if report_only:
         from fedpipe.study.reproduce import RECORDS
 
@@ -76,6 +69,19 @@ def reproduce(
     report = write_reproduction_report(repro, found, folder, wanted, departures(extra), note[:2000],
                                        sections)
     typer.echo(f"{len(found)} run(s) recorded; report: {report}")
+
+
+def _only(items: list[str]) -> dict[str, frozenset[str]]:
+    """--only AXIS=LABEL[,LABEL] (repeatable) as {axis: labels}."""
+    from fedpipe.study.reproduction import label
+
+    chosen: dict[str, frozenset[str]] = {}
+    for item in items:
+        axis, sep, labels = item.partition("=")
+        if not sep or not labels:
+            raise ConfigError(f"--only {item!r}: expected AXIS=LABEL[,LABEL], e.g. --only p=0.3,1")
+        chosen[axis.strip()] = chosen.get(axis.strip(), frozenset()) | {label(_number(v.strip())) for v in labels.split(",")}
+    return chosen
 
 
 def _number(text: str):

@@ -253,6 +253,16 @@ def _missing(repro: Reproduction, ours: Measures, seeds: list[int]) -> list[str]
     return out
 
 
+def _appendix(page: Page, section: Appendix) -> None:
+    page.heading(2, section.title)
+    for text in section.paragraphs:
+        page.text(text)
+    if section.header:
+        page.table(section.header, section.rows)
+    for text in section.after:
+        page.text(text)
+
+
 def write_reproduction_report(repro: Reproduction, records: list[dict], out: Path, seeds: list[int],
                               departures: list[str], note: str = "", appendices: list[Appendix] = ()) -> Path:
     """Write <out>/<name>.md, .html, .json and the figure; returns the Markdown's path. Each appendix is a section
@@ -291,13 +301,7 @@ def write_reproduction_report(repro: Reproduction, records: list[dict], out: Pat
         rows, claims = claim_rows(repro, ours)
         page.table(["claim", "at", "paper", "ours"], rows)
     for section in appendices:
-        page.heading(2, section.title)
-        for text in section.paragraphs:
-            page.text(text)
-        if section.header:
-            page.table(section.header, section.rows)
-        for text in section.after:
-            page.text(text)
+        _appendix(page, section)
     page.heading(2, "Setting")
     page.table(["config", "value", "from the paper"], [[k, json.dumps(v.value), v.cite] for k, v in repro.setting.items()]
                + [[f"{name} ({a.key or 'sets'})", ", ".join(a.overrides()), a.cite] for name, a in repro.axes.items()])
