@@ -90,15 +90,25 @@ def resolve_config(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     # a user's own data: the drop read and its snapshot pinned; a warm start's `promoted`: the version it names now
-    cfg = pin_init_from(with_data_snapshot(load_config(path)))
-    if method and cfg.engine.mode == "federation":  # only the benchmark names a method here
-        raise ConfigError("engine.mode=federation: the benchmark pipeline compares simulated runs on one partition; run each "
-                          "method's own pipeline with engine_mode=federation instead")
+    cfg = load_config(path)
+    if cfg.engine.mode == "federation":  # before the model line is read: what would fail after the training fails now
+        _check_federated(cfg, method)
+    cfg = pin_init_from(with_data_snapshot(cfg))
     path.write_text(cfg.to_yaml())
     if cfg.run.id is None:
         cfg = load_config(path, [f"run.id={cfg.run_id()}-{job_id}"])
     path.write_text(cfg.to_yaml())
     return cfg
+
+
+def _check_federated(cfg: RunConfig, method: str | None) -> None:
+    """What a federated run would refuse only after its training, refused by the config task instead."""
+    if method:  # only the benchmark names a method here
+        raise ConfigError("engine.mode=federation: the benchmark pipeline compares simulated runs on one partition; run each "
+                          "method's own pipeline with engine_mode=federation instead")
+    from fedpipe.models.federated import check_federated
+
+    check_federated(cfg)
 
 
 def _copy_out(run: Run, key: str, out_path: str) -> None:

@@ -101,7 +101,8 @@ class RoundForwarder:
 def phase(config_path: str, phase_name: str, previous_path: str | None, state_path: str) -> dict:
     """One phase's rounds at the sites; writes the stage's result (phase, last round, sites) into `state_path`;
     returns the last round's figures (only the releasable ones with privacy on)."""
-    from fedpipe.federation.launch import federate, submission
+    from fedpipe.federation.launch import federate, site_count, submission
+    from fedpipe.models.federated import warm_start_for
 
     run = _run(config_path)
     phases = run.phases()
@@ -111,8 +112,9 @@ def phase(config_path: str, phase_name: str, previous_path: str | None, state_pa
     if names.index(phase_name) > 0 and previous_path is None:
         raise ConfigError(f"phase {phase_name!r} runs after phase {names[names.index(phase_name) - 1]!r}: give its state as input.")
     forward = RoundForwarder(run, phase_name, phases[names.index(phase_name)].rounds)
+    warm = warm_start_for(run.cfg, site_count(run.cfg)) if names.index(phase_name) == 0 else None  # the first phase's start
     try:
-        result = federate(run.cfg, stage=phase_name, on_poll=forward)
+        result = federate(run.cfg, stage=phase_name, on_poll=forward, warm_start=None if warm is None else warm[1])
     finally:
         forward.close()
     Path(state_path).parent.mkdir(parents=True, exist_ok=True)
@@ -139,4 +141,5 @@ def evaluate(config_path: str, state_path: str, html_path: str, markdown_path: s
               if run.store.exists(run.layout.report(name))}
     Path(html_path).write_text(render_html(summary["title"], lines, images))
     Path(markdown_path).write_text("\n".join(f"- {line}" for line in lines) + "\n")
+    run.delete_pushed_metrics()  # the run is over, as a simulated run's evaluate ends it
     return {**summary, "run_id": run.layout.run_id}

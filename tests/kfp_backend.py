@@ -547,6 +547,8 @@ _CONFIG_2_5 = {"secretAsVolume", "secretAsEnv", "pvcMount", "nodeSelector", "pod
 _MESSAGES_2_5 = {
     "secretAsEnv": {"secretName", "keyToEnv", "secretNameParameter"},
     "secretAsEnv.keyToEnv": {"secretKey", "envVar"},
+    # the same four fields at every tag read, 2.5.0 to master 7b70c7b (the federation's CA: --federation-ca-secret)
+    "secretAsVolume": {"secretName", "mountPath", "optional", "secretNameParameter"},
     "podMetadata": {"labels", "annotations"},
     "nodeSelector": {"labels", "nodeSelectorJson"},
     "tolerations": {"key", "operator", "value", "effect", "tolerationSeconds", "tolerationJson"},

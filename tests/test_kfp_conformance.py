@@ -244,6 +244,38 @@ def test_a_pipeline_for_kfp_2_16_runs_every_task_as_the_images_user(tmp_path):
         assert unknown_platform_fields(config, "2.15.0") == ["securityContext"]  # why it is not the default
 
 
+@pytest.mark.parametrize("kfp", ["2.5.0", "2.16.0"])
+def test_the_charts_federation_pipeline_passes_every_backend_it_is_compiled_for(tmp_path, kfp):
+    """What the chart registers with federation.enabled (`fedpipe register --federation-ca-secret ...
+    --federation-superlink ...`): the federation tasks mount the CA-only Secret (secretAsVolume, named at compile time),
+    and every backend from the pipeline's floor on knows each task's Kubernetes config and gives every task of both
+    branches resolved, identical inputs."""
+    from fedpipe.pipelines.builder import FEDERATION_CA_DIR, compile_pipeline, method_pipeline
+
+    options = DeployOptions(kfp_version=kfp, federation_ca_secret="federation-ca", federation_superlink="fedpipe-superlink-control:9091")
+    path = compile_pipeline(method_pipeline(load_config(None, ["method.name=superfed_mm"]), options), tmp_path / "p.yaml")
+    spec, platform = _load(path)
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    mounted = {label: config["secretAsVolume"] for label, config in executors.items() if "secretAsVolume" in config}
+    assert mounted and all(label.startswith("exec-federated") for label in mounted), sorted(mounted)
+    for volumes in mounted.values():
+        (volume,) = volumes
+        assert volume["secretNameParameter"] == {"runtimeValue": {"constant": "federation-ca"}} and volume["mountPath"] == FEDERATION_CA_DIR
+    versions = [v for v in (*KNOWN_FIELDS, *NEWER) if tuple(map(int, v.split("."))) >= tuple(map(int, kfp.split(".")))]
+    for label, config in executors.items():
+        for version in versions:
+            assert not unknown_platform_fields(config, version), f"{label}: KFP {version} does not know {unknown_platform_fields(config, version)}"
+    arguments = _changed_arguments(spec)
+    for mode in ("simulation", "federation"):
+        reference = run_pipeline(spec, arguments, EXECUTOR_INPUT_FIRST, random.Random(0), _mode_outputs(mode))
+        for version in [v for v in versions if v not in ("2.5.0", "2.14.0", "2.15.0", "2.16.0")]:
+            runs = run_pipeline(spec, arguments, version, random.Random(0), _mode_outputs(mode))
+            assert {n: t.parameters for n, t in runs.items()} == {n: t.parameters for n, t in reference.items()}
+            assert all(not unresolved(t.parameters) for t in runs.values())
+    assert unknown_platform_fields({"secretAsVolume": [{"secretName": "x", "mountPath": "/x", "readOnly": True}]}, "2.17.0") == [
+        "secretAsVolume.readOnly"]
+
+
 @pytest.mark.parametrize("version", ["2.4.1", "latest", ""])
 def test_a_pipeline_cannot_be_compiled_for_a_backend_below_the_floor(version):
     from fedpipe.errors import ConfigError

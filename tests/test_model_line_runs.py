@@ -305,6 +305,15 @@ def test_the_charts_recurring_run_retrains_into_a_model_line_by_default(tmp_path
                  "--set", "schedule.retraining.gateMetric=worst10_accuracy", "--set-json", "schedule.retraining.tolerance=0.02")
     assert own.train.init_from == "none" and own.registry.name == "nightly" and own.data.dataset == "mnist5k"
     assert own.registry.gate_metric == "worst10_accuracy" and own.registry.tolerance == 0.02
+    # a federated schedule gates on the global model (the only one its line gets): the empty default picks it, and
+    # any other metric fails the render by name rather than the run after its training (fedpipe.models.federated)
+    federated = ["--set", "runConfig.engine.mode=federation", "--set", "federation.enabled=true", "--set", "federation.tls.secretName=superlink-tls",
+                 "--set", "federation.tls.caSecretName=federation-ca"]
+    fed = config(*cron, *federated, "--set", "runConfig.federation.sites=3")
+    assert fed.engine.mode == "federation" and fed.registry.gate_metric == "global_accuracy" and fed.train.init_from == "promoted"
+    refused = subprocess.run([helm, "template", "fedpipe", str(CHART), *CLUSTER, *cron, *federated, "--set",
+                              "schedule.retraining.gateMetric=personalized_accuracy"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "schedule.retraining.gateMetric=personalized_accuracy with runConfig.engine.mode=federation" in refused.stderr
 
 
 # --- the gate's rule, on scores alone --------------------------------------------------------------------------

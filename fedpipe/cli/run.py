@@ -30,7 +30,10 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     from fedpipe.safe_load import read_store_json
 
     if _load(config, set, run_id).engine.mode == "federation":  # the sites hold the data: the server side goes to the SuperLink
-        _run_federated(_load(config, set, run_id))  # no data snapshot to pin here: each site reads its own
+        from fedpipe.models.warm import pin_init_from
+
+        # no data snapshot to pin here (each site reads its own); the warm start's version is pinned, as in a simulation
+        _run_federated(pin_init_from(_load(config, set, run_id)))
         return
     cfg = _load_for_run(config, set, run_id)
     r = Run(cfg, take_over=take_over)
@@ -68,15 +71,16 @@ def _run_federated(cfg) -> None:
     when the gate says so (fedpipe.models.federated)."""
     from fedpipe.federation.launch import federate, site_count
     from fedpipe.federation.report import summary_lines
-    from fedpipe.models.federated import champion_for, publish_federated
+    from fedpipe.models.federated import champion_for, publish_federated, warm_start_for
     from fedpipe.run.run import Run
     from fedpipe.store import open_store
 
     champion = champion_for(cfg, site_count(cfg))  # None: no line, or nothing promoted yet
+    warm = warm_start_for(cfg, site_count(cfg))  # None: train.init_from=none
     typer.echo(f"Running {cfg.method.name} as a federation through {cfg.federation.superlink}: waiting for "
-               f"{site_count(cfg)} sites" + (f"; the sites also score version {champion[0]} of model line "
-                                                 f"{cfg.registry.name!r}" if champion else ""), err=True)
-    summary = federate(cfg, champion=None if champion is None else champion[1])
+               f"{site_count(cfg)} sites" + (f"; starting from version {warm[0]} of model line {cfg.registry.name!r}" if warm else "")
+               + (f"; the sites also score version {champion[0]} of model line {cfg.registry.name!r}" if champion else ""), err=True)
+    summary = federate(cfg, champion=None if champion is None else champion[1], warm_start=None if warm is None else warm[1])
     for line in summary_lines(summary)[1:]:
         typer.echo(line)
     typer.echo(f"  outputs                {summary['folder']}")

@@ -36,19 +36,24 @@ from fedpipe.safe_load import read_file
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> Path:
-    """`data` into `path`; a private file is created with mode 600 (never readable by others, not even for a moment)."""
-    if private:
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(data)
-        path.chmod(0o600)  # a file that was already there keeps its old mode through O_CREAT
-    else:
-        path.write_bytes(data)
+    """`data` into a NEW file `path`: never over a file already there nor through a link planted at its name (O_EXCL,
+    O_NOFOLLOW); a private file is created with mode 600 (never readable by others, not even for a moment)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600 if private else 0o666)  # 666 less the umask, as write_bytes makes it
+    except FileExistsError:
+        raise ConfigError(f"{path} already exists (a file or a link): fedpipe writes its keys and certificates only as new "
+                          "files, never over one nor through a link; move it away, or give another folder") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     return path
 
 
 def _replace(path: Path, data: bytes, private: bool = False) -> Path:
-    """`data` into `path` atomically (a temporary file beside it, then renamed): a reader sees the old or the new file."""
+    """`data` into `path` atomically (a new temporary file beside it, then renamed): a reader sees the old or the new file,
+    and a link at `path` is replaced, not followed."""
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a crash, or planted: removing a link leaves its target alone
     _write(tmp, data, private)
     os.replace(tmp, path)
     return path
@@ -98,17 +103,25 @@ def make_tls(folder: str | Path, hosts: tuple[str, ...] = ("127.0.0.1", "localho
     ca = _ca_certificate(ca_key, "fedpipe try-out CA", days, now)
     key = ec.generate_private_key(ec.SECP384R1())
     cert = _server_certificate(ca, ca_key, key, tuple(hosts), now + dt.timedelta(days=days), now)
+    # A try-out replaces its previous try-out's files (a fresh CA every call).
     return {
-        "ca_cert": _write(folder / "ca.crt", ca.public_bytes(serialization.Encoding.PEM)),
-        "ca_key": _write(folder / "ca.key", _key_pem(ca_key), private=True),
-        "server_cert": _write(folder / "server.crt", cert.public_bytes(serialization.Encoding.PEM)),
-        "server_key": _write(folder / "server.key", _key_pem(key), private=True),
+        "ca_cert": _replace(folder / "ca.crt", ca.public_bytes(serialization.Encoding.PEM)),
+        "ca_key": _replace(folder / "ca.key", _key_pem(ca_key), private=True),
+        "server_cert": _replace(folder / "server.crt", cert.public_bytes(serialization.Encoding.PEM)),
+        "server_key": _replace(folder / "server.key", _key_pem(key), private=True),
     }
 
 
 def make_site_key(folder: str | Path, name: str) -> tuple[Path, Path]:
-    """<name>.key (OpenSSH private) and <name>.pub (OpenSSH public), P-384."""
+    """<name>.key (OpenSSH private) and <name>.pub (OpenSSH public), P-384, both new: a ConfigError when either is
+    there (or a link in its place), since that key may be registered with the SuperLink already."""
     folder = Path(folder)
+    for path in (folder / f"{name}.key", folder / f"{name}.pub"):
+        if os.path.lexists(path):
+            raise ConfigError(f"{path} already exists: keygen never overwrites a site key, which may be registered with the "
+                              "SuperLink. Keep using that key pair; to replace it, make a new one under another name (or "
+                              "after moving the old files away) and have the operator run `fedpipe federation rotate "
+                              "SITE NEW.pub`")
     folder.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())

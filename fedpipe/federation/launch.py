@@ -9,7 +9,7 @@ model line's champion), the ServerApp its outputs and result.json, which this si
 
     spec.json, census.json, rounds.jsonl, global.safetensors, evaluation.json, server-state.pt (the checkpoint a
     rerun resumes from), result.json or error.json; champion.safetensors when the run is gated against a model line's
-    promoted version (`fedpipe.models.federated`)
+    promoted version, warm-start.safetensors when it starts from a version (train.init_from; `fedpipe.models.federated`)
 
 and then the run's report from them, where a simulation's goes (`<store>/<run>/report/`, `fedpipe.federation.report`).
 
@@ -69,19 +69,21 @@ def check_federation(cfg, env: str | Path = DEFAULT_ENV) -> Path:
     return flwr
 
 
-def submit(cfg, stage: str = "", champion: dict[str, torch.Tensor] | None = None, env: str | Path = DEFAULT_ENV) -> SubmittedRun:
-    """Put the run's spec (and the champion) into the run's store and start the ServerApp at the SuperLink, to stop
-    after `stage` (empty: the whole run); returns the submission to wait on."""
+def _safetensors(params: dict[str, torch.Tensor] | None) -> bytes | None:
+    return None if params is None else safetensors.torch.save({k: t.detach().cpu().contiguous() for k, t in params.items()})
+
+
+def submit(cfg, stage: str = "", champion: dict[str, torch.Tensor] | None = None, env: str | Path = DEFAULT_ENV,
+           warm_start: dict[str, torch.Tensor] | None = None) -> SubmittedRun:
+    """Put the run's spec (and the champion, and the warm start's global model) into the run's store and start the
+    ServerApp at the SuperLink, to stop after `stage` (empty: the whole run); returns the submission to wait on."""
     from fedpipe.federation.own_data import site_params
     from fedpipe.federation.spec import FederationSpec
 
     flwr, fed = check_federation(cfg, env), cfg.federation
     run = submission(cfg)
     spec = FederationSpec.for_sites(cfg, site_count(cfg), site_params(cfg))
-    weights = None
-    if champion is not None:
-        weights = safetensors.torch.save({k: t.detach().cpu().contiguous() for k, t in champion.items()})
-    run.submit(spec.to_json(), weights)
+    run.submit(spec.to_json(), _safetensors(champion), _safetensors(warm_start))
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
     with tempfile.TemporaryDirectory(prefix="fedpipe-submit-") as tmp:
         home = Path(tmp) / "flwr-home"
@@ -100,13 +102,14 @@ def budget(cfg) -> float:
 
 def federate(cfg, env: str | Path = DEFAULT_ENV, timeout: float | None = None,
              champion: dict[str, torch.Tensor] | None = None, stage: str = "",
-             on_poll: Callable[[SubmittedRun], None] = lambda run: None) -> dict:
+             on_poll: Callable[[SubmittedRun], None] = lambda run: None, warm_start: dict[str, torch.Tensor] | None = None) -> dict:
     """Run `cfg` (engine.mode=federation) through `cfg.federation.superlink` and wait. The whole run (`stage` empty or
     "evaluate") returns the run's summary (`fedpipe.federation.report.write_report`, the report written into the run's
     store); a stage before it returns the ServerApp's result.json. `champion`: the server state of the model line's
     promoted version, which the sites then score beside the new global model (the gate's figures, in evaluation.json).
+    `warm_start`: the global model the server starts from instead of the seeded one (train.init_from's version).
     `on_poll(run)` is called while waiting (the pipeline's phase task forwards the new rounds' metrics)."""
-    run = submit(cfg, stage, champion, env)
+    run = submit(cfg, stage, champion, env, warm_start)
     result = run.wait(timeout or budget(cfg), on_poll=lambda: on_poll(run))
     if stage not in ("", "evaluate"):
         return result

@@ -5,7 +5,8 @@ In Flower 1.42 the ServerApp runs where the SuperLink runs (its SuperExec starts
 s3://, Kubeflow's MinIO on a cluster), under `<run>/federation/`:
 
     written by the submitter   spec.json (what the sites train), champion.safetensors (the model line's promoted
-                               state, when the run is gated)
+                               state, when the run is gated), warm-start.safetensors (the global model of the
+                               version train.init_from names, when the run starts from one)
     written by the ServerApp   census.json, rounds.jsonl, server-state.pt (its checkpoint), global.safetensors,
                                evaluation.json, result.json or error.json (what the submitter waits for)
 
@@ -27,15 +28,15 @@ import time
 from pathlib import Path
 
 from fedpipe.errors import CorruptArtifactError
-from fedpipe.federation.resume import CHAMPION, CHECKPOINT, RESUMES
+from fedpipe.federation.resume import CHAMPION, CHECKPOINT, RESUMES, WARM_START
 from fedpipe.store import Store, open_store, validate_prefix
 
 MODEL_BYTES = 8 * 2**30  # a global model, a checkpoint or a champion: far above any model fedpipe trains
 JSON_BYTES = 64 * 2**20
-LIMITS = {"spec.json": JSON_BYTES, CHAMPION: MODEL_BYTES, CHECKPOINT: MODEL_BYTES, RESUMES: JSON_BYTES,
+LIMITS = {"spec.json": JSON_BYTES, CHAMPION: MODEL_BYTES, WARM_START: MODEL_BYTES, CHECKPOINT: MODEL_BYTES, RESUMES: JSON_BYTES,
           "census.json": JSON_BYTES, "rounds.jsonl": JSON_BYTES, "global.safetensors": MODEL_BYTES,
           "evaluation.json": JSON_BYTES, "result.json": JSON_BYTES, "error.json": JSON_BYTES, "champion.json": 4096}
-SUBMITTED = ("spec.json", CHAMPION)  # what the submitter writes before the ServerApp starts
+SUBMITTED = ("spec.json", CHAMPION, WARM_START)  # what the submitter writes before the ServerApp starts
 RESUMED = (CHECKPOINT, "rounds.jsonl", RESUMES)  # what a ServerApp on a fresh machine needs to go on from the last round
 FINAL = ("result.json", "error.json")  # what the submitter waits for; removed before each submission
 WORK_ENV = "FEDPIPE_SERVERAPP_WORK"
@@ -111,15 +112,17 @@ class SubmittedRun:
     def url(self) -> str:
         return self.store.url(self.prefix)
 
-    def submit(self, spec_json: str, champion: bytes | None) -> None:
-        """The spec and the champion (or none: an earlier one is removed), and no answer of an earlier submission."""
+    def submit(self, spec_json: str, champion: bytes | None, warm_start: bytes | None = None) -> None:
+        """The spec, the champion and the warm start (each absent one: an earlier one is removed), and no answer of an
+        earlier submission."""
         for name in FINAL:
             self.store.delete(self.key(name))
         self.store.put(self.key("spec.json"), spec_json.encode())
-        if champion is None:
-            self.store.delete(self.key(CHAMPION))
-        else:
-            self.store.put(self.key(CHAMPION), champion)
+        for name, data in ((CHAMPION, champion), (WARM_START, warm_start)):
+            if data is None:
+                self.store.delete(self.key(name))
+            else:
+                self.store.put(self.key(name), data)
 
     def answer(self) -> dict | None:
         """result.json once the ServerApp wrote it; RuntimeError with error.json's message when it failed; None before."""

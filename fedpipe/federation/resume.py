@@ -25,6 +25,9 @@ RESUMES = "resumes.jsonl"  # one line per start that found a checkpoint: {"from_
 #: the promoted version's server state, written into the out-dir by `fedpipe run` when the run publishes to a model
 #: line: the sites score its global model beside the new one, on the same samples (the gate's comparison)
 CHAMPION = "champion.safetensors"
+#: the global model of the model-line version train.init_from names, written by the submitter: the server's round-0
+#: model instead of the seeded initialisation (a warm start; `fedpipe.models.federated.warm_start_for`)
+WARM_START = "warm-start.safetensors"
 
 
 def fingerprint(spec_json: str) -> str:

@@ -297,14 +297,28 @@ def evaluate_at_sites(grid: Grid, roster: Roster, spec: FederationSpec, global_p
 def read_champion(out: Path, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The promoted version's server state the run is gated against (None: no champion.safetensors), checked against
     this run's model before any round: the sites score it with this run's network, so names and shapes must match."""
-    path = out / resume.CHAMPION
+    return _read_model(out / resume.CHAMPION, initial, "the promoted version's model", "the sites could not score it; "
+                       "publish this run to another line (registry.name)")
+
+
+def read_warm_start(out: Path, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The global model of the version train.init_from names (None: no warm-start.safetensors), checked like the
+    champion: it replaces the seeded initialisation as the server's round-0 model."""
+    warm = _read_model(out / resume.WARM_START, initial, "the warm start's model (train.init_from)",
+                       "start from a version of this configuration, or set train.init_from=none")
+    if warm is None:
+        return None
+    log.info("fedpipe federation: round 0's global model is the warm start's (%s), not the seed's", out / resume.WARM_START)
+    return {k: warm[k].to(t.device) for k, t in initial.items()}
+
+
+def _read_model(path: Path, initial: dict[str, torch.Tensor], what: str, fix: str) -> dict[str, torch.Tensor] | None:
     if not path.exists():
         return None
     params = safetensors.torch.load_file(str(path), device="cpu")
     differ = sorted(set(params) ^ set(initial)) or [k for k in params if (params[k].shape, params[k].dtype) != (initial[k].shape, initial[k].dtype)]
     if differ:
-        raise ConfigError(f"{path}: the promoted version's model is not this run's network ({len(differ)} parameters differ, "
-                         f"e.g. {differ[0]!r}): the sites could not score it; publish this run to another line (registry.name)")
+        raise ConfigError(f"{path}: {what} is not this run's network ({len(differ)} parameters differ, e.g. {differ[0]!r}): {fix}")
     return params
 
 
@@ -343,6 +357,7 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     publish("census.json")
     algorithm, initial = spec.build(DEVICE)
     champion = read_champion(out, initial)  # before any round: a champion the sites cannot score fails the run now
+    initial = read_warm_start(out, initial) or initial  # the sites' personal parts start anew either way
     if stop_after == "census":
         _finish(out, publish, {"stage": "census", "sites": roster.num_clients, "names": [s.name for s in census.sites]})
         return None

@@ -221,6 +221,8 @@ class LoopbackFederation:
         node config entries (a site with its own files: `data`, `opt-out`)."""
         folder = Path(folder)
         name = name or folder.name
+        for old in (self.certs / "sites" / f"{name}.key", self.certs / "sites" / f"{name}.pub"):
+            old.unlink(missing_ok=True)  # the try-out's own keys of an earlier try-out: each start makes a fresh pair
         private, public = make_site_key(self.certs / "sites", name)
         if register:
             self.register(public)

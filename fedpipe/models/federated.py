@@ -5,6 +5,7 @@ sites, on the same samples for both models:
 
 1. before the run, `champion_for(cfg)` reads the line's promoted version's server state (its state.pt, bounded and
    checked like a warm start's), which `fedpipe run` hands to the ServerApp (`fedpipe.federation.launch.federate`);
+   a warm start (train.init_from) reads its version's the same way (`warm_start_for`): the server's round-0 model;
 2. at the evaluation each site scores the new global model and the promoted one on its share of the global test set
    (`client_app.evaluate`: holdout-accuracy, champion-holdout-accuracy), and sends only those numbers;
 3. `publish_federated(cfg, summary, champion)` decides with the simulation's rule (`fedpipe.models.gate.compare`):
@@ -66,6 +67,28 @@ def check_registry(cfg) -> None:
                           "score both models on their held-out shares instead: leave registry.reference empty")
 
 
+def check_warm_start(cfg) -> None:
+    """What a federated warm start (train.init_from other than none) needs: a line to read it from, and no privacy."""
+    given = cfg.train.init_from
+    if given == "none":
+        return
+    if cfg.privacy.enabled:
+        raise ConfigError(f"train.init_from={given} with privacy.enabled: a private federated run cannot start from a model-line "
+                          "version yet (its epsilon would have to continue the version's). Set train.init_from=none, or run "
+                          "without privacy.")
+    if not cfg.registry.name:
+        raise ConfigError(f"train.init_from={given} starts the run from a version of the model line registry.name, but "
+                          "registry.name is empty: set it, or set train.init_from=none.")
+
+
+def check_federated(cfg) -> None:
+    """Everything a federated run's publication and warm start would refuse, checked before anything is sent (the
+    pipeline's config task, so that a run started from the UI fails at once, not after its training)."""
+    if cfg.registry.name:
+        check_registry(cfg)
+    check_warm_start(cfg)
+
+
 def _line(cfg) -> ModelLine:
     return ModelLine(open_store(str(cfg.run.store)), cfg.registry.name)
 
@@ -80,15 +103,40 @@ def champion_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] | N
     version = line.promoted() if line.exists() else None
     if version is None:
         return None
+    return version, _version_global(cfg, line, version, num_sites, "the sites score the promoted global model with this "
+                                    "run's network, so they must match. Publish this configuration to another line (registry.name).")
+
+
+def warm_start_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """(version, its server's global params) of the version train.init_from names (pinned when the run starts,
+    `fedpipe.models.warm.pin_init_from`), the server's round-0 global model; None for `none`.
+
+    A federated version holds no site's state (each site keeps its personal parts), so the sites' personal parts start
+    anew, as a simulated warm start treats the clients a version lacks (`fedpipe.models.warm.warm_start`). A private
+    run from a version is refused: the server's accountant would have to continue the version's, which the
+    federation's accountant (`fedpipe.federation.private`) does not do."""
+    given = cfg.train.init_from
+    if given == "none":
+        return None
+    if given == "promoted":
+        raise ConfigError("train.init_from=promoted must be pinned to a version number when the run starts "
+                          "(fedpipe.models.warm.pin_init_from), so that the run's id says which version it started from.")
+    check_warm_start(cfg)
+    line, version = _line(cfg), int(given)
+    return version, _version_global(cfg, line, version, num_sites, "the server starts from that version's global model "
+                                    "with this run's network, so they must match. Set train.init_from=none to start anew.")
+
+
+def _version_global(cfg, line: ModelLine, version: int, num_sites: int, why: str) -> dict[str, torch.Tensor]:
+    """The server's global params in `version`'s state.pt, read bounded by this run's model, the version's model and
+    method checked against this run's first (`why`: what needs them equal)."""
     record = line.record(version)
     theirs = record.spec
     mine_model = cfg.model_name(theirs.input_shape)
     differ = [f"{what}: {a} vs {b}" for what, a, b in (("model", mine_model, theirs.model), ("method", cfg.method.name, theirs.method))
               if a != b]
     if differ:
-        raise ConfigError(f"model line {line.name!r} promotes version {version}, whose {'; '.join(differ)} (this run vs the version) "
-                          "differ: the sites score the promoted global model with this run's network, so they must match. "
-                          "Publish this configuration to another line (registry.name).")
+        raise ConfigError(f"model line {line.name!r} version {version}'s {'; '.join(differ)} (this run vs the version) differ: {why}")
     from fedpipe.federation.own_data import site_params
 
     spec = FederationSpec.for_sites(cfg, num_sites, site_params(cfg)).with_data(tuple(theirs.input_shape), theirs.num_classes)
@@ -99,7 +147,7 @@ def champion_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] | N
     if state.method != cfg.method.name:
         raise CorruptArtifactError(f"{where} holds a {state.method} state, but its record says {theirs.method}: restore it, or "
                                    "promote another version")
-    return version, dict(state.server.global_params)
+    return dict(state.server.global_params)
 
 
 def site_scores(evaluation: dict, census: dict, key: str) -> tuple[dict[str, float], float | None]:

@@ -78,13 +78,14 @@ def validate_k8s(tmp_path_factory: pytest.TempPathFactory) -> Callable[[list[dic
     tool = find_tool("kubernetes-validate", SETUP_TEST)
     folder = tmp_path_factory.mktemp("validate")
 
-    def validate(docs: list[dict]) -> None:
+    def validate(docs: list[dict], versions: tuple[str, ...] = (K8S_VERSION,)) -> None:
         assert docs, "nothing was rendered"
         path = folder / "docs.yaml"
         path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-        proc = run_tool([tool, "--strict", "-k", K8S_VERSION, "--quiet", str(path)], check=False)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "ERROR" not in output, output
+        for version in versions:
+            proc = run_tool([tool, "--strict", "-k", version, "--quiet", str(path)], check=False)
+            output = proc.stdout + proc.stderr
+            assert proc.returncode == 0 and "ERROR" not in output, f"Kubernetes {version}: {output}"
         warned = [line for line in output.splitlines() if line.startswith("WARN")]
         crd_docs = [doc for doc in docs if doc["kind"] in CRD_VALIDATORS]
         assert len(warned) == len(crd_docs) and all(any(f"kind {doc['kind']} " in line for line in warned) for doc in crd_docs), (

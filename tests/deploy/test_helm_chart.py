@@ -542,3 +542,14 @@ FREE_FORM = {
 
 def test_every_value_is_commented_typed_and_in_the_readme():
     assert_values_documented(CHART, FREE_FORM)
+
+
+def test_run_config_values_take_every_section_of_the_run_config():
+    """runConfig's schema is closed (a misspelt section fails the install by name), so it must list every section
+    fedpipe's config has: one it lacked (engine, registry, federation) could not be set from the chart at all, e.g. a
+    scheduled federated run (engine.mode=federation)."""
+    from fedpipe.run.config import RunConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["runConfig"]
+    assert schema["additionalProperties"] is False
+    assert set(schema["properties"]) == set(RunConfig.model_fields)

@@ -1,5 +1,5 @@
 """charts/fedpipe-site: one site of a federation (a SuperNode running `fedpipe site join`), rendered by the real
-`helm`, validated against Kubernetes 1.30's schemas (kubernetes-validate), its values schema and cross-field checks
+`helm`, validated against Kubernetes 1.30's and 1.34's schemas (kubernetes-validate), its values schema and cross-field checks
 failing with a named error, its pods locked down, and its command lines parsed by fedpipe's own CLI (the options a
 chart passes are the options `fedpipe site join` and `fedpipe site check` take). The SuperNode joining a real
 SuperLink with such a command line is tests/federation/test_own_files.py's `fedpipe site join`."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import typer
 import yaml
-from deploytools import REPO, assert_values_documented, parse_docs, run_tool
+from deploytools import K8S_SPAN, REPO, assert_values_documented, parse_docs, run_tool
 
 from fedpipe.cli import app
 
@@ -57,7 +57,7 @@ def test_every_variant_validates_against_kubernetes(helm, validate_k8s, variant)
     docs = render(helm, *REQUIRED, *VARIANTS[variant])
     hook = [d for d in docs if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
     assert len(hook) == 1 and hook[0]["kind"] == "Pod"
-    validate_k8s(docs)
+    validate_k8s(docs, K8S_SPAN)
 
 
 @pytest.mark.parametrize("values, named", [
@@ -137,6 +137,19 @@ def test_a_gpu_is_a_limit_and_state_an_existing_claim(helm):
     assert "PersistentVolumeClaim" not in by_kind(docs)  # the existing one is used
     own = by_kind(render(helm, *REQUIRED, *VOLUME))["PersistentVolumeClaim"]
     assert own["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # personal models survive an uninstall
+
+
+def test_the_check_pod_lands_where_the_site_pod_does(helm, tmp_path):
+    """A hostPath site pinned to its node by affinity: `helm test`'s pod must go to that node too, or it finds no files."""
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}]}]}}}
+    placement = {"affinity": affinity, "nodeSelector": {"disk": "ssd"},
+                 "tolerations": [{"key": "site", "operator": "Equal", "value": "a", "effect": "NoSchedule"}]}
+    path = tmp_path / "placement.yaml"
+    path.write_text(yaml.safe_dump(placement))
+    pods = dict(_pods(render(helm, *REQUIRED, *VARIANTS["hostpath"], "-f", str(path))))
+    for key, value in placement.items():
+        assert pods["check"][key] == pods["supernode"][key] == value, key
 
 
 def _parse(command: list[str]) -> dict:

@@ -3,7 +3,7 @@ a filter (nginx) that gives sites the Fleet API only, rendered by the real `helm
 
 What each test shows:
 - off by default, nothing is rendered (the default render is untouched); on, every variant validates against
-  Kubernetes 1.30's schemas (kubernetes-validate) and `helm lint --strict` passes;
+  Kubernetes 1.30's and 1.34's schemas (kubernetes-validate) and `helm lint --strict` passes;
 - the cert-manager Certificate validates against cert-manager v1.21.1's own CRD schema (vendored,
   tests/deploy/schemas/README.md), closed so that a misspelt field fails;
 - wrong values are refused by name: by the values schema, and by the chart's cross-field checks (exactly one source of
@@ -41,6 +41,7 @@ import pytest
 from deploytools import (
     CHART,
     CLUSTER,
+    K8S_SPAN,
     NAMESPACE,
     RELEASE,
     crd_schema_problems,
@@ -118,7 +119,7 @@ def test_every_variant_validates_against_kubernetes(render_chart, validate_k8s, 
     expected += ["NetworkPolicy", "NetworkPolicy"] if "no-policy" not in variant else []
     assert kinds == sorted(expected), kinds
     # kubernetes-validate has no schema for cert-manager's kind: the Certificate is checked against its CRD below.
-    validate_k8s([d for d in docs if d["kind"] != "Certificate"])
+    validate_k8s([d for d in docs if d["kind"] != "Certificate"], K8S_SPAN)
     namespace = "team-a" if "profile-namespace" in variant else NAMESPACE
     assert {d["metadata"]["namespace"] for d in mine} == {namespace}  # with the runs' Secrets
 

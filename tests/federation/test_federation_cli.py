@@ -116,6 +116,60 @@ def test_a_host_that_is_not_a_name(tmp_path):
     assert r.exit_code == 2 and "neither an IP address nor a DNS name" in r.stderr and not (tmp_path / "ca").exists(), r.stderr
 
 
+def test_renewal_replaces_a_link_at_its_temporary_file_without_following_it(tmp_path):
+    """--renew-server writes server.key through `.server.key.tmp`: a link planted there must not carry the new private
+    key (nor a chmod) into the file it points at."""
+    out = tmp_path / "ca"
+    assert fed("certs", "--out", out, "--host", "fl.example.org").exit_code == 0
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not yours")
+    (out / ".server.key.tmp").symlink_to(target)
+    r = fed("certs", "--out", out, "--host", "fl.example.org", "--renew-server")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert target.read_text() == "not yours" and not (out / "server.key").is_symlink()
+    assert stat.S_IMODE((out / "server.key").stat().st_mode) == 0o600 and b"PRIVATE KEY" in (out / "server.key").read_bytes()
+
+
+def test_a_dangling_link_at_the_ca_key_is_not_written_through(tmp_path):
+    out = tmp_path / "ca"
+    out.mkdir()
+    target = tmp_path / "elsewhere.key"
+    (out / "ca.key").symlink_to(target)  # Path.exists() says False for it: only the exclusive open catches it
+    r = fed("certs", "--out", out, "--host", "fl.example.org")
+    assert r.exit_code == 2 and "ca.key already exists" in r.stderr, r.stdout + r.stderr
+    assert not target.exists()
+
+
+def site(*args: str):
+    return CliRunner().invoke(app, ["site", *map(str, args)])
+
+
+def test_keygen_never_overwrites_a_site_key(tmp_path):
+    """The key may already be registered with the SuperLink: a second keygen under the same name refuses and keeps it."""
+    assert site("keygen", "hospital-a", "--out", tmp_path).exit_code == 0
+    before = {n: (tmp_path / n).read_bytes() for n in ("hospital-a.key", "hospital-a.pub")}
+    assert stat.S_IMODE((tmp_path / "hospital-a.key").stat().st_mode) == 0o600
+    r = site("keygen", "hospital-a", "--out", tmp_path)
+    assert r.exit_code == 2 and "hospital-a.key already exists" in r.stderr and "fedpipe federation rotate" in r.stderr, r.stderr
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    (tmp_path / "hospital-a.key").unlink()  # the public key alone is enough to refuse
+    assert site("keygen", "hospital-a", "--out", tmp_path).exit_code == 2
+    assert (tmp_path / "hospital-a.pub").read_bytes() == before["hospital-a.pub"]
+
+
+@pytest.mark.parametrize("planted", ["hospital-a.key", "hospital-a.pub"])
+def test_keygen_does_not_follow_a_link_at_the_key_path(tmp_path, planted):
+    keys, target = tmp_path / "keys", tmp_path / "precious.txt"
+    keys.mkdir()
+    target.write_text("precious")
+    target.chmod(0o644)
+    (keys / planted).symlink_to(target)
+    r = site("keygen", "hospital-a", "--out", keys)
+    assert r.exit_code == 2 and f"{planted} already exists" in r.stderr, r.stdout + r.stderr
+    assert target.read_text() == "precious" and stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert not (keys / ("hospital-a.pub" if planted.endswith(".key") else "hospital-a.key")).exists()
+
+
 # --- register, rotate, sites without Flower ----------------------------------------------------------------------
 
 FAKE_FLWR = """#!{python}

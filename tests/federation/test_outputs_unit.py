@@ -1,5 +1,5 @@
 """Where the submitter and the ServerApp meet: the run's store (`fedpipe.federation.outputs`), without Flower. The
-submitter's spec and champion reach the ServerApp's scratch folder, its outputs reach the store, a stale champion or
+submitter's spec, champion and warm start reach the ServerApp's scratch folder, its outputs reach the store, a stale champion or
 answer from an earlier submission never lingers, and what the store hands back is bounded before it is parsed. The
 same on S3 (moto's server, an emulator of the S3 API MinIO serves) as in a folder."""
 
@@ -49,12 +49,37 @@ def test_a_new_submission_leaves_no_champion_or_answer_of_the_last(store_url, tm
     server.push("error.json")
     with pytest.raises(RuntimeError, match="only 2 of 3 sites answered"):
         submitted.answer()
-    submitted.submit("{}", None)  # resubmitted, this time without a champion
+    submitted.submit("{}", None, b"warm start")  # resubmitted, this time without a champion, with a warm start
     assert submitted.answer() is None
     (server.folder / "result.json").write_text("{}")  # a stale answer in the scratch folder...
     server.pull()
     assert not (server.folder / "champion.safetensors").exists()  # ...and the old champion are gone after the pull
     assert not (server.folder / "result.json").exists()
+    assert (server.folder / "warm-start.safetensors").read_bytes() == b"warm start"
+    submitted.submit("{}", None)  # the next stage's submission: no warm start (it resumes from the checkpoint)
+    server.pull()
+    assert not (server.folder / "warm-start.safetensors").exists()
+
+
+def test_a_federated_warm_start_is_refused_by_name_where_it_cannot_work(tmp_path):
+    """train.init_from in a federation: unpinned `promoted`, an empty registry.name and privacy are refused before
+    anything is sent (fedpipe.models.federated.warm_start_for); `none` reads nothing."""
+    from fedpipe.errors import ConfigError
+    from fedpipe.models.federated import warm_start_for
+    from fedpipe.run.config import load_config
+
+    def cfg(*sets):
+        return load_config(None, ["engine.mode=federation", "federation.sites=2", f"run.store={tmp_path}", *sets])
+
+    assert warm_start_for(cfg(), 2) is None
+    with pytest.raises(ConfigError, match="must be pinned to a version number"):
+        warm_start_for(cfg("registry.name=line", "train.init_from=promoted"), 2)
+    with pytest.raises(ConfigError, match="registry.name is empty"):
+        warm_start_for(cfg("train.init_from=2"), 2)
+    with pytest.raises(ConfigError, match="with privacy.enabled: a private federated run cannot start"):
+        warm_start_for(cfg("registry.name=line", "train.init_from=2", "privacy.enabled=true"), 2)
+    with pytest.raises(Exception, match="has no version 2"):
+        warm_start_for(cfg("registry.name=line", "train.init_from=2"), 2)
 
 
 def test_a_checkpoint_in_the_store_resumes_a_serverapp_on_a_fresh_machine(tmp_path):

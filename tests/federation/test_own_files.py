@@ -108,8 +108,10 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
                      "registry.name=hospitals", "registry.gate_metric=global_accuracy"]
         done = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated"]), timeout=500)
         assert done.returncode == 0, done.stdout + done.stderr + fed.log_of("superlink")[-3000:]
-        # the line's next version: a shorter run, gated against version 1, which the sites score on the same samples
-        again = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated-2", "train.rounds=1"]), timeout=300)
+        # the line's next version: a shorter run warm-started from the promoted version 1 (train.init_from, pinned by
+        # `fedpipe run`) and gated against it, which the sites score on the same samples
+        again = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated-2", "train.rounds=1", "train.init_from=promoted"]),
+                         timeout=300)
         # the method's compiled pipeline in federation mode (the run parameter engine_mode; kfp's local runner, each
         # task its own process): the census, the phase and the evaluation, each a submission of its own
         from_ui = load_config(None, [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
@@ -120,12 +122,20 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         evaluation_ui = json.loads(open_store(str(from_ui.run.store)).get("from-the-ui/federation/evaluation.json"))
         logs = {name: fed.log_of(name) for name in SITES}
     assert again.returncode == 0, again.stdout + again.stderr
+    # the simulation of that second run: the same config, warm-started from the same version of the same line
+    from fedpipe.models.warm import attach
+
+    warm_cfg = load_config(None, [*sets, f"run.store={store}", "run.id=warm-simulated", "registry.name=hospitals", "train.rounds=1",
+                                  "train.init_from=1"])
+    warm_state = train_all(attach(Run(warm_cfg)))
     out = store / "federated" / "federation"
     report = store / "federated" / "report"
-    return dict(work=work, stdout=done.stdout, from_ui=from_ui, artifacts=artifacts, evaluation_ui=evaluation_ui, logs=logs, out=out, report=report, store=store, again=again.stdout,
+    return dict(work=work, stdout=done.stdout, from_ui=from_ui, artifacts=artifacts, evaluation_ui=evaluation_ui, logs=logs, out=out, report=report, store=store, again=again.stdout, again_err=again.stderr,
                 checked=checked, wrong_ca=wrong_ca,
                 evaluation_2=json.loads((store / "federated-2" / "federation" / "evaluation.json").read_text()),
                 simulated={k: v.detach().cpu() for k, v in state.server.global_params.items()},
+                warm_simulated={k: v.detach().cpu() for k, v in warm_state.server.global_params.items()},
+                warm_federated=safetensors.torch.load_file(str(store / "federated-2" / "federation" / "global.safetensors")),
                 federated=safetensors.torch.load_file(str(out / "global.safetensors")), partition=partition, bundle=sim_run.bundle,
                 result=json.loads((out / "result.json").read_text()), census=json.loads((out / "census.json").read_text()),
                 evaluation=json.loads((out / "evaluation.json").read_text()), summary=json.loads((report / "summary.json").read_text()),
@@ -139,6 +149,17 @@ def test_sites_with_their_own_files_train_the_simulations_model(own_files):
     assert sim.keys() == fed.keys()
     for name in sim:
         torch.testing.assert_close(fed[name], sim[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_warm_started_federated_run_equals_its_simulation(own_files):
+    """train.init_from=promoted in a federation: the server's round 0 is version 1's global model (not the seed's), so
+    its one round equals a simulated round warm-started from the same version (fedpipe.models.warm.warm_start: a
+    federated version holds no client's state, so the simulated clients start without one, as the sites do)."""
+    sim, fed = own_files["warm_simulated"], own_files["warm_federated"]
+    assert sim.keys() == fed.keys()
+    for name in sim:
+        torch.testing.assert_close(fed[name], sim[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert "starting from version 1 of model line 'hospitals'" in own_files["again_err"]
 
 
 def test_site_check_reaches_the_superlink_and_reads_only_the_sites_data(own_files):

@@ -203,7 +203,12 @@ app.kubernetes.io/part-of: fedpipe
 {{- if not (regexMatch "^[a-z0-9][a-z0-9._-]{0,62}$" $line) }}
 {{- fail (printf "the model line of the recurring run would be %q (the pipeline's name), which is no line name (a-z, 0-9, '.', '_', '-'): set schedule.retraining.line" $line) }}
 {{- end }}
-{{- $registry := dict "name" $line "gate_metric" $r.gateMetric "tolerance" $r.tolerance "max_client_drop" $r.maxClientDrop }}
+{{- $federated := eq (dig "engine" "mode" "simulation" $config) "federation" }}
+{{- $gate := $r.gateMetric | default (ternary "global_accuracy" "personalized_accuracy" $federated) }}
+{{- if and $federated (ne $gate "global_accuracy") }}
+{{- fail (printf "schedule.retraining.gateMetric=%s with runConfig.engine.mode=federation: a federated run registers its global model only, so its gate compares global models: set schedule.retraining.gateMetric=global_accuracy (or leave it empty)" $gate) }}
+{{- end }}
+{{- $registry := dict "name" $line "gate_metric" $gate "tolerance" $r.tolerance "max_client_drop" $r.maxClientDrop }}
 {{- $_ := set $config "registry" (merge (default (dict) $config.registry) $registry) }}
 {{- $_ := set $config "train" (merge (default (dict) $config.train) (dict "init_from" $r.initFrom)) }}
 {{- with $r.dataSource }}
