@@ -44,6 +44,7 @@ from fedpipe.models.hub import sync_promoted
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.models.publish import REPORT_VERSIONS, STATE_FILE, finish_promotion, line_rows, outcome, registered
 from fedpipe.models.site_line import exporter, spec_standardisation
+from fedpipe.models.warm import _line as warm_line
 from fedpipe.models.warm import state_limit_for
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
@@ -68,17 +69,13 @@ def check_registry(cfg) -> None:
 
 
 def check_warm_start(cfg) -> None:
-    """What a federated warm start (train.init_from other than none) needs: a line to read it from, and no privacy."""
+    """What a federated warm start (train.init_from other than none) needs beyond a simulated one's (a line to read it
+    from: `fedpipe.models.warm`): no privacy."""
     given = cfg.train.init_from
-    if given == "none":
-        return
-    if cfg.privacy.enabled:
+    if given != "none" and cfg.privacy.enabled:
         raise ConfigError(f"train.init_from={given} with privacy.enabled: a private federated run cannot start from a model-line "
                           "version yet (its epsilon would have to continue the version's). Set train.init_from=none, or run "
                           "without privacy.")
-    if not cfg.registry.name:
-        raise ConfigError(f"train.init_from={given} starts the run from a version of the model line registry.name, but "
-                          "registry.name is empty: set it, or set train.init_from=none.")
 
 
 def check_federated(cfg) -> None:
@@ -122,7 +119,7 @@ def warm_start_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] |
         raise ConfigError("train.init_from=promoted must be pinned to a version number when the run starts "
                           "(fedpipe.models.warm.pin_init_from), so that the run's id says which version it started from.")
     check_warm_start(cfg)
-    line, version = _line(cfg), int(given)
+    line, version = warm_line(cfg), int(given)  # an empty registry.name is refused there, as for a simulated warm start
     return version, _version_global(cfg, line, version, num_sites, "the server starts from that version's global model "
                                     "with this run's network, so they must match. Set train.init_from=none to start anew.")
 
