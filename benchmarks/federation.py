@@ -13,19 +13,20 @@ momentum 0.9, weight decay 1e-4), seed 0, one torch thread per process, clients 
   `bytes_downloaded` from the run's report/rounds-federation.jsonl (`fedpipe.engine.rounds.RoundResult`).
   No transport: the bytes are what the method would send (the tensors' bytes).
 - **federation**: fedpipe's ServerApp and ClientApp on Flower 1.42's deployment engine, on 127.0.0.1 with TLS and
-  SuperNode authentication (`fedpipe.federation.tryout.LoopbackFederation`, one SuperNode per site folder written
-  by `prepare`); per round from the ServerApp's rounds.jsonl (bytes: the ArrayRecords' data).
+  SuperNode authentication (`fedpipe.federation.tryout.LoopbackFederation`, one site per folder written by `prepare`:
+  fedpipe's warm worker and its SuperNode in process isolation); per round from the ServerApp's rounds.jsonl (bytes:
+  the ArrayRecords' data); where the round's seconds go, from the sites' own logs (`round_profile`).
 - **flower**: Flower's own FedAvg app (benchmarks/flower_fedavg/: `flwr.serverapp.strategy.FedAvg`, and for SecAgg+
   `DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))` with `secaggplus_mod` at the sites) training the same
-  model with the same hyperparameters on the same site folders, submitted with `flwr run` to the same SuperLink
-  and SuperNodes; its ServerApp counts every message: array bytes (comparable with fedpipe's) and message bytes
+  model with the same hyperparameters on the same site folders, submitted with `flwr run` to a SuperLink with Flower's
+  own SuperNodes (subprocess isolation: fedpipe's sites run no other app); its ServerApp counts every message: array bytes (comparable with fedpipe's) and message bytes
   (the content as serialised protobuf, SecAgg+'s keys, shares and masked vectors included).
 
 A round's wall time: from the round's first message to its aggregate (the simulation: training and aggregation
 only). The first round is shown apart: in a federation it includes the ClientApps' first FAB install and, in the
-simulation, torch's warm-up; in Flower 1.42 every round starts a fresh ClientApp process per site and message
-(subprocess isolation), so every federated round pays a Python + torch start at each site (SecAgg+: 4 exchanges a
-round, so 4 starts per site). Runs go one after another on one machine: the sites share its cores, so a round's
+simulation, torch's warm-up; in Flower 1.42's subprocess isolation (Flower's app here) every round starts a fresh
+ClientApp process per site and message, so every round pays a Python + torch start at each site (SecAgg+: 4 exchanges
+a round, so 4 starts per site); fedpipe's warm worker pays it once. Runs go one after another on one machine: the sites share its cores, so a round's
 time is the sites' work summed over the cores, not one site's. Results go to OUT/federation.md and OUT/federation.json.
 """
 
@@ -63,9 +64,45 @@ NOTES = (
     "run (fedpipe's census and evaluation at the sites included).",
     "train loss: the sites' mean training loss in the last round; the simulation and fedpipe's federation train alike, "
     "so theirs agree; Flower's app shuffles with its own seeds.",
-    "Every federated round starts a ClientApp process per site and message (Flower 1.42's subprocess isolation); the "
-    "sites share the machine's cores, so a round's time grows with the number of sites.",
+    "fedpipe's sites are its warm workers (fedpipe.federation.worker: one process per site, torch and the site's splits "
+    "loaded once, its SuperNode in process isolation); Flower's app runs on Flower's own SuperNodes in their default "
+    "subprocess isolation, a new ClientApp process per site and message. The sites share the machine's cores, so a "
+    "round's time grows with the number of sites.",
 )
+
+#: the same benchmark before the warm worker (2026-11-28, main at b859b60: fedpipe's app on Flower's subprocess
+#: isolation, a ClientApp process per site and message, Flower's 3 s pull waits), kept beside the new rows
+BEFORE = """
+## Before the warm worker (2026-11-28, `benchmarks/federation.py --rounds 2`, same machine kind)
+
+| system | sites | SecAgg+ | first round s | median later round s | run s |
+| --- | ---: | --- | ---: | ---: | ---: |
+| federation | 4 | off | 26.57 | 26.44 | 104.3 |
+| flower | 4 | off | 26.44 | 26.78 | 68.8 |
+| federation | 4 | on | 82.36 | 79.97 | 204.7 |
+| flower | 4 | on | 73.17 | 66.69 | 149.0 |
+| federation | 16 | off | 77.22 | 78.69 | 296.0 |
+| flower | 16 | off | 65.75 | 70.33 | 146.6 |
+| federation | 16 | on | 202.22 | 183.49 | 484.0 |
+| flower | 16 | on | 153.98 | 168.40 | 326.9 |
+"""
+
+
+def targets(rows: list[dict]) -> str:
+    """The issue's targets, read off this run: fedpipe's median round at 4 and 16 sites, its ratio to Flower's own app,
+    and SecAgg+'s round over the plain round."""
+    med = {(r["system"], r["sites"], r["secagg"]): r.get("median_later_s") for r in rows}
+    lines = ["## Read off this run", ""]
+    for sites in sorted({r["sites"] for r in rows}):
+        fed, flower, sec = med.get(("federation", sites, False)), med.get(("flower", sites, False)), med.get(("federation", sites, True))
+        if fed:
+            line = f"- {sites} sites: fedpipe's median round {fed:.2f} s"
+            if flower:
+                line += f"; Flower's own FedAvg app {flower:.2f} s ({flower / fed:.1f} times fedpipe's)"
+            if sec:
+                line += f"; with SecAgg+ {sec:.2f} s ({sec / fed:.1f} times the plain round)"
+            lines.append(line)
+    return "\n".join(lines) + "\n\n"
 
 
 def say(msg: str) -> None:
@@ -118,9 +155,10 @@ def fresh(folder: Path) -> Path:
     return folder
 
 
-def run_federation(fed, spec_file: Path, out: Path, timeout: float, secagg: bool = False) -> list[dict]:
+def run_federation(fed, spec_file: Path, out: Path, timeout: float, secagg: bool = False, folders: list[Path] = ()) -> list[dict]:
     fed.run(spec_file, out, timeout=timeout)
     rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines() if line.strip()]
+    PROFILES[(len(folders), secagg)] = round_profile(rows, folders, out)
     if any(r.get("failed") for r in rows):
         raise RuntimeError(f"failed sites in rounds.jsonl: {[r.get('rejected') for r in rows if r.get('failed')]}")
     if secagg and not all("secure_aggregation" in r for r in rows):
@@ -132,6 +170,63 @@ def run_federation(fed, spec_file: Path, out: Path, timeout: float, secagg: bool
         if "secure_aggregation" in r:  # fedpipe's own count of the 4 exchanges' messages (fedpipe/federation/secagg.py)
             found[-1].update(message_bytes_up=r["secure_aggregation"]["bytes_up"], message_bytes_down=r["secure_aggregation"]["bytes_down"])
     return found
+
+
+PROFILES: dict[tuple[int, bool], dict] = {}
+
+
+def round_profile(rows: list[dict], folders: list[Path], out: Path) -> dict:
+    """Where a federated round's seconds go (the rounds after the first), from the server's rounds.jsonl and each site's
+    own log (messages.jsonl, fedpipe.federation.site_log: the worker times its pull of the message from its SuperNode,
+    its answer and its push): medians over rounds and sites."""
+    from fedpipe.federation import site_log
+
+    later = {r["round"] for r in rows[1:]}
+    entries = [e for f in folders for e in site_log.read(f)
+               if e.get("run") == str(out.resolve()) and e.get("kind") == "train" and e.get("round") in later]
+    if not entries:
+        return {}
+    med = lambda key: statistics.median(float(e.get(key, 0.0)) for e in entries)  # noqa: E731
+    rounds = statistics.median(r["seconds"] for r in rows[1:])
+    per_round = {}  # the slowest site of each round bounds it
+    for e in entries:
+        per_round[e["round"]] = max(per_round.get(e["round"], 0.0), float(e["seconds"]))
+    slowest = statistics.median(per_round.values())
+    return {"round_s": rounds, "pull_s": med("pull_s"), "answer_s": med("answer_s"), "push_s": med("push_s"),
+            "site_s": med("seconds"), "slowest_site_s": slowest, "rest_s": max(rounds - slowest, 0.0)}
+
+
+def cold_start(env: Path) -> float:
+    """What every message paid at every site in Flower's subprocess isolation before fedpipe's warm worker: a new
+    Python process importing torch and fedpipe's ClientApp (the median of 3 starts; the FAB install comes on top)."""
+    import subprocess
+
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run([str(env / "bin" / "python"), "-c", "import torch, fedpipe.federation.client_app"], check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_table(env: Path) -> str:
+    if not PROFILES:
+        return ""
+    lines = ["## Where a round's seconds go (fedpipe's federation, the rounds after the first, medians)", "",
+             "| sites | SecAgg+ | round s | a site's pull of its message s | its ClientApp (checks, training, packing) s | "
+             "its push s | the slowest site s | the rest s |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (sites, secagg), p in sorted(PROFILES.items()):
+        if p:
+            lines.append(f"| {sites} | {'on' if secagg else 'off'} | {p['round_s']:.2f} | {p['pull_s']:.3f} | {p['answer_s']:.3f} | "
+                         f"{p['push_s']:.3f} | {p['slowest_site_s']:.2f} | {p['rest_s']:.2f} |")
+    lines += ["", "The rest: the SuperNodes' pulls from and pushes to the SuperLink (an idle SuperNode pulls every 0.25 s, "
+              "fedpipe.federation.supernode; Flower's own waits 3 s), the server's pulls for replies (every 0.1 s, Flower's "
+              "`send_and_receive` 3 s), the aggregation and the checkpoint; with SecAgg+ also its other three exchanges. "
+              "The sites share the machine's 2 cores, so the slowest site waits for the others' training.", "",
+              f"Before the warm worker every message also paid a new ClientApp process: Python, torch and fedpipe's ClientApp "
+              f"imported in {cold_start(env):.2f} s here (median of 3), before the FAB's install and the site's splits read again."]
+    return "\n".join(lines) + "\n"
 
 
 def toml_value(v) -> str:
@@ -222,29 +317,40 @@ def bench_sites(sites: int, rounds: int, only: set[str], secagg_modes: list[bool
     say(f"{sites} sites: preparing the site folders")
     spec_file, folders = prepare(cfg, work)
     spec = FederationSpec.read(str(spec_file))
-    say(f"{sites} sites: starting a SuperLink and {sites} SuperNodes")
-    with LoopbackFederation(work / "flower", env) as fed:
-        for folder in folders:
-            fed.start_site(folder)
-        for secagg in secagg_modes:
-            tag = "secagg" if secagg else "plain"
-            if "federation" in only:
-                def federation(secagg=secagg, tag=tag):
-                    if secagg:
-                        if why := fedpipe_secagg_missing():
-                            raise NotImplementedError(why)
-                        sec_cfg = config(sites, rounds, work / "store", secagg=True)
-                        sec_spec = work / "spec-secagg.json"
-                        sec_spec.write_text(FederationSpec.from_run_config(sec_cfg, spec.input_shape, spec.num_classes,
-                                                                           spec.num_sites).to_json())
-                        return run_federation(fed, sec_spec, fresh(work / f"out-federation-{tag}"), timeout, secagg=True)
-                    return run_federation(fed, spec_file, fresh(work / f"out-federation-{tag}"), timeout)
-                record("federation", secagg, federation, fed)
-            if "flower" in only:
-                out = fresh(work / f"out-flower-{tag}")
-                rc = flower_config(cfg, spec, out, secagg, timeout)
-                record("flower", secagg, lambda rc=rc, out=out: run_flower(fed, rc, out, timeout), fed)
+    for system in [s for s in ("federation", "flower") if s in only]:
+        # fedpipe's sites are its warm workers, which run fedpipe's own app only; Flower's app runs on Flower's own
+        # SuperNodes in their default subprocess isolation (a ClientApp process per message), as Flower ships them
+        say(f"{sites} sites: starting a SuperLink and {sites} sites ({'fedpipe workers' if system == 'federation' else 'Flower SuperNodes'})")
+        with LoopbackFederation(work / system, env) as fed:
+            for folder in folders:
+                fed.start_site(folder, worker=system == "federation")
+            for secagg in secagg_modes:
+                _bench_system(system, secagg, fed, cfg, spec, spec_file, sites, rounds, work, timeout, record, folders)
     return rows
+
+
+def _bench_system(system, secagg, fed, cfg, spec, spec_file, sites, rounds, work, timeout, record, folders) -> None:
+    """One row: `system` (fedpipe's federation or Flower's app) on the sites of `fed`, with or without SecAgg+."""
+    from fedpipe.federation.spec import FederationSpec
+
+    tag = "secagg" if secagg else "plain"
+    if system == "flower":
+        out = fresh(work / f"out-flower-{tag}")
+        rc = flower_config(cfg, spec, out, secagg, timeout)
+        record("flower", secagg, lambda: run_flower(fed, rc, out, timeout), fed)
+        return
+
+    def federation():
+        if not secagg:
+            return run_federation(fed, spec_file, fresh(work / f"out-federation-{tag}"), timeout, folders=folders)
+        if why := fedpipe_secagg_missing():
+            raise NotImplementedError(why)
+        sec_cfg = config(sites, rounds, work / "store", secagg=True)
+        sec_spec = work / "spec-secagg.json"
+        sec_spec.write_text(FederationSpec.from_run_config(sec_cfg, spec.input_shape, spec.num_classes, spec.num_sites).to_json())
+        return run_federation(fed, sec_spec, fresh(work / f"out-federation-{tag}"), timeout, secagg=True, folders=folders)
+
+    record("federation", secagg, federation, fed)
 
 
 def summarize(system: str, sites: int, secagg: bool, found: list[dict], wall: float, note: str) -> dict:
@@ -350,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"# Federation transport cost\n\n`{command.strip()}`, {time.strftime('%Y-%m-%d')}, {rounds} rounds.\n\n"
             f"Machine: {machine(args.env)}.\n\nFedAvg, 2NN ({model_bytes:,} bytes of float32 parameters), mnist5k pathological, "
             "every site every round, 1 local epoch, batch 20, seed 0, one torch thread per process.\n\n")
-    text = head + table(rows, model_bytes) + "\n\n" + "\n".join(f"- {n}" for n in NOTES) + "\n"
+    text = (head + table(rows, model_bytes) + "\n\n" + targets(rows) + "\n".join(f"- {n}" for n in NOTES) + "\n\n"
+            + profile_table(args.env.resolve()) + BEFORE)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "federation.md").write_text(text)
     (args.out / "federation.json").write_text(json.dumps({"command": command.strip(), "machine": machine(args.env),

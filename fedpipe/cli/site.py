@@ -27,6 +27,9 @@ FLOWER_ENV = flower_env()  # FEDPIPE_FLOWER_ENV (the image: /opt/flower), else t
 FlowerEnvOpt = Annotated[Optional[Path], typer.Option("--flower-env", help="The Python environment holding Flower 1.42 "
                                                       "(scripts/flower-env.sh builds .cache/flower-venv; the image has /opt/flower); default: "
                                                       "$FEDPIPE_FLOWER_ENV, else .cache/flower-venv, else the flower-supernode on PATH.")]
+PolicyOpt = Annotated[Optional[Path], typer.Option("--policy", help="The site's policy file (YAML, the site's own): the "
+                                                 "methods, privacy, limits and releases it allows (docs/site-admin.md). "
+                                                 "Default: the safe defaults `fedpipe site check` prints.")]
 
 
 def _flower_bin(env: Optional[Path], program: str) -> str:
@@ -73,26 +76,42 @@ def join(data: Annotated[str, typer.Option(help="This site's own data: a folder 
                                                "(methods with opt-out clients, e.g. the mixture of experts).")] = False,
          port: Annotated[int, typer.Option(help="This SuperNode's own Runtime API port on 127.0.0.1 (one per site on a machine).")] = 9094,
          image_size: Annotated[Optional[int], typer.Option(help="Check the images at this size (the run's data.image_size).")] = None,
+         policy: PolicyOpt = None,
          flower_env: FlowerEnvOpt = None):
-    """Join a federation as a site: check this site's data, then run a Flower SuperNode with fedpipe's client side.
+    """Join a federation as a site: check this site's data and policy, then serve the federation with fedpipe's own code.
 
-    Each run the SuperLink sends is trained here on this site's own files: the site splits them itself (by each
-    sample's identity, as the simulation of all sites' files would), answers the census with its label counts,
-    trains the rounds it is chosen for, keeps its personal models in --state, and sends only what the method uploads.
-    Stops with Ctrl-C; started again with the same key and --state, it rejoins with its state."""
-    from fedpipe.federation.tryout import supernode_args
+    The site is one worker process (fedpipe's, in the Flower environment) and its Flower SuperNode, which it starts in
+    process isolation: the worker answers every message with fedpipe's ClientApp, never with code a submitted run
+    brings, and refuses, by name, any message its --policy does not allow, before it reads any data. Each run is
+    trained here on this site's own files: the site splits them itself (by each sample's identity, as the simulation
+    of all sites' files would), answers the census with its label counts, trains the rounds it is chosen for, keeps
+    its personal models in --state, and sends only what the method uploads. Every message taken or refused is a line
+    of --state/messages.jsonl (`fedpipe site check --state` sums it up). Stops with Ctrl-C; started again with the
+    same key and --state, it rejoins with its state."""
+    from fedpipe.federation.policy import SitePolicy
+    from fedpipe.federation.tryout import site_args, supernode_options
 
     name, samples = _check_site(data, root_certificates, key, image_size)
+    rules = SitePolicy.read(policy)
+    why = rules.serves(superlink)
+    if why:
+        raise ConfigError(f"{why}: add it to the policy's federations ({policy}) or join another SuperLink")
     state.mkdir(parents=True, exist_ok=True)
     node = {"site-dir": str(state.resolve()), "data": data if "://" in data else str(Path(data).resolve()), "opt-out": opt_out}
-    args = supernode_args(_flower_bin(flower_env, "flower-supernode"), superlink, root_certificates.resolve(), key.resolve(),
-                          node, port)
-    typer.echo(f"site {name}: {samples} samples checked; joining {superlink}")
+    python = _flower_python(flower_env)
+    args = site_args(python, supernode_options(superlink, root_certificates.resolve(), key.resolve(), node, port), state.resolve(),
+                     port, superlink, policy.resolve() if policy else None, rules.name or key.stem)
+    typer.echo(f"site {rules.name or name}: {samples} samples checked; joining {superlink} under "
+               f"{'the policy ' + str(policy) if policy else 'the default policy'}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
-    # the SuperNode starts Flower's own programs (flwr-clientapp) by name: its environment's bin comes first on PATH
-    env["PATH"] = os.pathsep.join([str(Path(args[0]).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
     sys.stdout.flush()  # exec replaces this process: what it printed must be out first
-    os.execve(args[0], args, env)  # the site process becomes the SuperNode (signals, exit code and logs are its own)
+    os.execve(python, args, env)  # the site process becomes the worker (signals, exit code and logs are its own)
+
+
+def _flower_python(env: Optional[Path]) -> str:
+    """The Flower environment's Python (next to its flower-supernode), which runs the site's worker."""
+    return str(Path(_flower_bin(env, "flower-supernode")).parent / "python")
 
 
 def _check_site(data: str, root_certificates: Path, key: Path, image_size: Optional[int]) -> tuple[str, int]:
@@ -150,11 +169,27 @@ def check(data: Annotated[str, typer.Option(help="This site's own data (as for `
           root_certificates: Annotated[Path, typer.Option(help="The CA certificate (PEM) the SuperLink's certificate is checked against.")],
           key: Annotated[Path, typer.Option(help="This site's private key (read, never sent).")],
           image_size: Annotated[Optional[int], typer.Option(help="Check the images at this size (the run's data.image_size).")] = None,
-          timeout: Annotated[float, typer.Option(help="Seconds to wait for the SuperLink.")] = 10.0):
+          timeout: Annotated[float, typer.Option(help="Seconds to wait for the SuperLink.")] = 10.0,
+          policy: PolicyOpt = None,
+          state: Annotated[Optional[Path], typer.Option(help="This site's folder (as for join): sums up its log of the "
+                                                              "messages it took and refused.")] = None):
     """Check that this site can join, without joining and without sending any of its data: its own files are one
-    client's and valid, its key is a private key, and the SuperLink answers a TLS handshake with a certificate the CA
-    signed for that address. Exit 0 when all hold (the fedpipe-site chart's `helm test` runs this); otherwise one line
-    says what is wrong and how to fix it."""
+    client's and valid, its key is a private key, its policy file is valid (printed rule by rule) and serves that
+    SuperLink, and the SuperLink answers a TLS handshake with a certificate the CA signed for that address. With
+    --state, the site's log of the messages it took or refused, per run. Exit 0 when all hold (the fedpipe-site
+    chart's `helm test` runs this); otherwise one line says what is wrong and how to fix it."""
+    from fedpipe.federation import site_log
+    from fedpipe.federation.policy import SitePolicy
+
+    rules = SitePolicy.read(policy)
+    for line in rules.summary():
+        typer.echo(f"policy     {line}")
+    why = rules.serves(superlink)
+    if why:
+        raise ConfigError(f"{why}: add it to the policy's federations ({policy})")
+    if state is not None:
+        for line in site_log.summary(state):
+            typer.echo(f"log        {line}")
     name, samples = _check_site(data, root_certificates, key, image_size)
     typer.echo(f"data       site {name}: {samples} samples in {data}, checked")
     typer.echo(f"key        {key}: an OpenSSH private key (its public key must be registered with the SuperLink)")

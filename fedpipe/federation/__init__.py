@@ -7,6 +7,9 @@ What runs where:
   with a `RoundTrainer` that sends each client's download to its site and checks each upload.
 - `client_app`: the ClientApp (a site's side): loads only its own folder and trains with
   `fedpipe.engine.clients.ClientTrainer`, the code the simulation trains clients with.
+- `worker`: a site's one long-lived process, which answers its SuperNode (`supernode`: Flower's, with a shorter idle
+  pull, in process isolation) with `client_app` and nothing else: it checks each run's app bundle (`app`) and each
+  message against the site's own `policy` before any data is read, and logs what it took or refused (`site_log`).
 - `sites`: a site's folder (its splits and its personal state store); `transport`: tensors <-> Flower
   records and the upload check; `certs`: a try-out CA, server certificate and site keys; `tryout`: one
   machine, a SuperLink and N sites, started and stopped.

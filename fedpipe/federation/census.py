@@ -37,10 +37,12 @@ class Census:
     input_shape: tuple[int, ...] | None  # own files: as the sites reported (None: exported folders, known to the spec)
     num_classes: int | None
     labels: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # the refusals of the sites that took no part under their own policies, each named
 
     def summary(self) -> dict:
-        """census.json: per site its id, name, opt-out flag and label counts per split (own files)."""
+        """census.json: per site its id, name, opt-out flag and label counts per split (own files); the sites' refusals."""
         return {"labels": list(self.labels), "input_shape": list(self.input_shape or ()), "num_classes": self.num_classes,
+                "refused": list(self.refused),
                 "sites": [{"client_id": s.client_id, "name": s.name, "node_id": s.node_id, "opt_out": s.opt_out,
                            **({"counts": s.census["counts"], "snapshot": s.census["snapshot"]} if s.census else {})}  # counts None: withheld (privacy)
                           for s in self.sites]}

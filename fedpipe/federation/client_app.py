@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,11 +49,39 @@ log = logging.getLogger(__name__)
 app = ClientApp()
 DEVICE = torch.device("cpu")
 
-def _site(context: Context, spec: FederationSpec | None = None) -> Site:
+
+
+@dataclass
+class SiteSettings:
+    """What the site's own policy sets here (`fedpipe.federation.worker` sets it from the policy before each message;
+    a ClientApp run by Flower's own `flwr-clientapp` keeps these defaults): torch threads at most, whether the census
+    may release the label counts, and the most megabytes of prepared splits kept."""
+
+    max_threads: int = os.cpu_count() or 1
+    label_counts: bool = True
+    max_cache_mb: int = 4096
+
+
+SETTINGS = SiteSettings()
+#: the warm worker's site of the run it is serving: its prepared splits stay loaded between the run's messages
+_WARM: dict[tuple, Site] = {}
+
+
+def use_threads(spec: FederationSpec) -> None:
+    torch.set_num_threads(max(1, min(int(spec.threads or 1), SETTINGS.max_threads)))
+
+
+def _site(context: Context, spec: FederationSpec | None = None, client_id: int | None = None) -> Site:
     """This site, from its node config: an exported try-out folder, or its own files split with the spec's data
-    parameters and numbered as the server's census assigned (`Site.assigned`)."""
-    client_id = Site.assigned(context.node_config["site-dir"], spec) if spec is not None and spec.site_data else None
-    return Site.from_node(context.node_config, DEVICE, spec, client_id)
+    parameters and numbered as the server's census assigned (`Site.assigned`). Kept for the run's next message."""
+    if client_id is None and spec is not None and spec.site_data:
+        client_id = Site.assigned(context.node_config["site-dir"], spec)
+    key = (context.run_id, json.dumps(dict(context.node_config), sort_keys=True, default=str),
+           spec.to_json() if spec is not None else "", client_id)
+    if key not in _WARM:
+        _WARM.clear()  # one run's site at a time: a new run (or a new numbering) reads its data afresh
+        _WARM[key] = Site.from_node(context.node_config, DEVICE, spec, client_id, max_cache_mb=SETTINGS.max_cache_mb)
+    return _WARM[key]
 
 
 @app.query()
@@ -64,12 +94,13 @@ def identify(msg: Message, context: Context) -> Message:
     if str(ask.get("what", "identity")) == "assign":
         Site.assign(context.node_config["site-dir"], spec, int(ask["client-id"]))
         return Message(RecordDict({"site": ConfigRecord({"assigned": int(ask["client-id"])})}), reply_to=msg)
-    site = Site.from_node(context.node_config, DEVICE, spec)
+    site = _site(context, spec, client_id=-1 if spec is not None and spec.site_data else None)
     answer = {"client-id": site.client_id, "opt-out": site.opt_out}
     if site.census is not None:
-        census = site.census
-        if spec is not None and spec.privacy_cfg is not None:  # privacy: the label counts are not released at all
-            census = {**census, "counts": None}
+        # what the server needs and nothing more: the snapshot's digest, not the site's local path or file counts
+        census = {**site.census, "snapshot": {"digest": site.census["snapshot"]["digest"]}}
+        if (spec is not None and spec.privacy_cfg is not None) or not SETTINGS.label_counts:
+            census["counts"] = None  # privacy, or the site's policy: the label counts are not released at all
         answer["census"] = json.dumps(census)
     return Message(RecordDict({"site": ConfigRecord(answer)}), reply_to=msg)
 
@@ -78,7 +109,7 @@ def _train_here(context: Context, spec: FederationSpec, phase_name: str, round_:
                 download: dict[str, torch.Tensor], clip: float | None = None) -> tuple[Site, ClientOutcome, dict | None, str | None]:
     """This site's round with `ClientTrainer` (the simulation's client code): (site, outcome, state it started
     from, the test-only injected fault)."""
-    torch.set_num_threads(spec.threads)
+    use_threads(spec)
     phase = spec.phase(phase_name)
     site = _site(context, spec)
     algorithm, _ = spec.build(DEVICE)
@@ -192,7 +223,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     split, by `fedpipe.engine.evaluation.evaluate_personalized`, the simulation's evaluation. Only scores leave."""
     cfg = msg.content["config"]
     spec = FederationSpec.from_json(str(cfg["spec"]))
-    torch.set_num_threads(spec.threads)
+    use_threads(spec)
     site = _site(context, spec)
     algorithm, _ = spec.build(DEVICE)
     server = ServerState(from_record(msg.content["download"], DEVICE))

@@ -62,9 +62,11 @@ def _key(params: dict, snapshot: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def prepare_own(url: str, params: dict, folder: str | Path, device: torch.device) -> tuple[dict[str, Split], dict]:
+def prepare_own(url: str, params: dict, folder: str | Path, device: torch.device,
+                max_cache_mb: int | None = None) -> tuple[dict[str, Split], dict]:
     """This site's splits (train, val, test and its share of the global test set, `holdout`) and its census, made
-    from its files at `url` with the run's `params` (`site_params`), cached in `folder`."""
+    from its files at `url` with the run's `params` (`site_params`), cached in `folder` (at most `max_cache_mb` of
+    it: the least recently used entries go first, `prune_cache`)."""
     folder = Path(folder)
     snapshot = current_snapshot(url)
     key = _key(params, snapshot)
@@ -93,7 +95,30 @@ def prepare_own(url: str, params: dict, folder: str | Path, device: torch.device
                                 str(tmp))
     tmp.replace(data_file)
     census_file.write_text(json.dumps(census))
+    if max_cache_mb is not None:
+        prune_cache(folder / PREPARED, max_cache_mb, keep=key)
     return splits, census
+
+
+def prune_cache(prepared: Path, max_mb: int, keep: str) -> list[str]:
+    """Remove the least recently written prepared splits (a .safetensors and its .json) until the folder holds at most
+    `max_mb` megabytes, never the entry `keep`; returns the keys removed. A run with other data parameters (another
+    image size) prepares another entry: without a bound they would pile up."""
+    entries = {}
+    for f in prepared.glob("*.safetensors"):
+        st = f.stat()
+        entries[f.stem] = (st.st_mtime, st.st_size + ((prepared / f"{f.stem}.json").stat().st_size if (prepared / f"{f.stem}.json").exists() else 0))
+    total, removed = sum(size for _, size in entries.values()), []
+    for stem, (_, size) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+        if total <= max_mb * 2**20:
+            break
+        if stem == keep:
+            continue
+        for suffix in (".safetensors", ".json"):
+            (prepared / f"{stem}{suffix}").unlink(missing_ok=True)
+        total -= size
+        removed.append(stem)
+    return removed
 
 
 def site_federated_data(splits: dict[str, Split], client_id: int, opt_out: bool, num_classes: int,

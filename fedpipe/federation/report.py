@@ -82,6 +82,10 @@ def summarise(census: dict, scores: dict, rounds: list[dict], title: str, out: P
         "bytes_up": sum(r["bytes_up"] for r in rounds), "bytes_down": sum(r["bytes_down"] for r in rounds),
         "per_site": {names.get(cid, cid): s for cid, s in scores.items()},
         "missing_sites": sorted(n for cid, n in names.items() if cid not in scores),  # sites that did not evaluate
+        # what the sites refused under their own policies: at the census (they then took no part) and in the rounds
+        "refused": [str(r) for r in census.get("refused", [])] + [f"round {r['round']}: {rej['error'].removeprefix('SiteError: ')}"
+                                                                  for r in rounds for rej in r.get("rejected", [])
+                                                                  if " refused: " in str(rej.get("error", ""))],
         "folder": str(out),
     }
     private = [r["privacy"] for r in rounds if "privacy" in r]
@@ -108,6 +112,8 @@ def summary_lines(summary: dict) -> list[str]:
              f"  global model           {'n/a' if glob is None else f'{glob:.4f}'} (on the sites' held-out shares)",
              f"  rounds                 {summary['rounds']} ({summary['failed_clients']} failed site rounds); "
              f"{summary['bytes_up'] / 1e6:.1f} MB up, {summary['bytes_down'] / 1e6:.1f} MB down"]
+    for refusal in summary.get("refused", [])[:20]:
+        lines.append(f"  refused                {refusal}")
     if summary.get("missing_sites"):
         lines.append(f"  not evaluated          {', '.join(summary['missing_sites'])} (no answer to the evaluation)")
     if summary.get("privacy"):

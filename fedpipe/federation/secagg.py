@@ -56,6 +56,7 @@ from fedpipe.engine.sequential import ClientStats
 from fedpipe.errors import ConfigError
 from fedpipe.federation import audit
 from fedpipe.federation.spec import FederationSpec, refusal
+from fedpipe.federation.transport import POLL
 
 log = logging.getLogger(__name__)
 STAGES = ("setup", "share_keys", "collect_masked_vectors", "unmask")
@@ -133,7 +134,7 @@ class MeteredGrid:
                     self.audit(r)
                 replies.append(r)
             if dst:
-                time.sleep(0.5)
+                time.sleep(POLL)
         for node in dst.values():
             self.errors.setdefault(node, f"{self.stage}: no reply within {timeout:.0f}s")
         return replies

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import safetensors.torch
@@ -41,7 +41,7 @@ from fedpipe.federation.census import Census, take_census
 from fedpipe.federation.outputs import ServerOutputs
 from fedpipe.federation.private import server_privacy
 from fedpipe.federation.spec import FederationSpec
-from fedpipe.federation.transport import UploadRejected, check_upload, record_bytes, to_record
+from fedpipe.federation.transport import POLL, UploadRejected, check_upload, record_bytes, to_record
 
 log = logging.getLogger(__name__)
 app = ServerApp()
@@ -78,25 +78,35 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSp
     ("assign", under the spec completed with the data's shape) and the completed spec is returned. The timeout's
     error names the sites that did not answer."""
     deadline = time.monotonic() + timeout
-    ask = {"what": "identity", **({"spec": spec.to_json()} if spec is not None and spec.site_data else {})}
+    # the spec goes to every site: each checks the run against its own policy before it answers (fedpipe.federation.policy)
+    ask = {"what": "identity", **({"spec": spec.to_json()} if spec is not None else {})}
     answers: list[tuple[int, dict]] = []
+    refusals: dict[int, str] = {}
     heard: tuple[int, ...] = ()
     while True:
         nodes = tuple(sorted(grid.get_node_ids()))
         if nodes != heard and (len(nodes) >= expected or time.monotonic() >= deadline):
-            answers, heard = _identities(grid, nodes, ask, max(deadline - time.monotonic(), 5.0)), nodes
+            refusals.clear()
+            answers, heard = _identities(grid, nodes, ask, max(deadline - time.monotonic(), 5.0), refusals), nodes
             if names:
                 answers = _named(answers, names)
             if len(answers) >= expected and (not names or len(answers) == len(names)):
                 break
+            if refusals and len(answers) + len(refusals) == len(nodes):  # every connected site spoke; a policy does not change
+                raise ConfigError(f"only {len(answers)} of the {expected} sites the run needs take it; {'; '.join(refusals.values())}. "
+                                  "Change the run to fit their policies (each site's `fedpipe site check` prints its own), "
+                                  "or ask those sites to change theirs")
         if time.monotonic() >= deadline:
             have = sorted(_name_of(a) for _, a in answers)
             missing = f"; missing: {', '.join(sorted(set(names) - set(have)))}" if names else ""
+            refused = f"; {'; '.join(refusals.values())}" if refusals else ""
             raise TimeoutError(f"only {len(answers)} of {expected} sites answered within {timeout:.0f}s (answered: "
-                               f"{', '.join(have) or 'none'}{missing}): start the missing sites (`fedpipe site join`, or the "
-                               "fedpipe-site chart) and check their logs, or raise federation.connect_timeout")
+                               f"{', '.join(have) or 'none'}{missing}{refused}): start the missing sites (`fedpipe site join`, "
+                               "or the fedpipe-site chart) and check their logs, or raise federation.connect_timeout")
         time.sleep(0.5)
-    census = take_census(answers)
+    census = replace(take_census(answers), refused=tuple(refusals.values()))
+    for refusal in census.refused:
+        log.warning("Census: %s", refusal)
     if census.input_shape is not None and spec is not None:
         spec = spec.with_data(census.input_shape, census.num_classes)
         assigns = [Message(RecordDict({"ask": ConfigRecord({"what": "assign", "spec": spec.to_json(), "client-id": s.client_id})}),
@@ -108,13 +118,17 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSp
     return Roster([SiteEntry(s.client_id, s.opt_out, s.node_id) for s in census.sites]), spec, census
 
 
-def _identities(grid: Grid, nodes: tuple[int, ...], ask: dict, timeout: float) -> list[tuple[int, dict]]:
-    """Each connected site's census answer (those that answered within `timeout`)."""
+def _identities(grid: Grid, nodes: tuple[int, ...], ask: dict, timeout: float,
+                refusals: dict[int, str] | None = None) -> list[tuple[int, dict]]:
+    """Each connected site's census answer (those that answered within `timeout`); a site's error reply (a refusal
+    under its own policy among them) goes into `refusals` by node."""
     answers = []
     for node, reply in exchange(grid, [Message(RecordDict({"ask": ConfigRecord(ask)}), dst_node_id=n, message_type=MessageType.QUERY)
                                        for n in nodes], timeout).items():
         if reply.has_error():
             log.warning("Site on node %s did not answer the census: %s", node, reply.error.reason)
+            if refusals is not None:
+                refusals[node] = str(reply.error.reason)
             continue
         site = reply.content["site"]
         answers.append((node, {"client-id": int(site["client-id"]), "opt-out": bool(site["opt-out"]),
@@ -234,7 +248,7 @@ def exchange(grid: Grid, messages: list[Message], timeout: float) -> dict[int, M
             if node is not None:
                 replies[node] = r
         if pending:
-            time.sleep(0.5)
+            time.sleep(POLL)
     return replies
 
 

@@ -57,7 +57,8 @@ class Site:
     sites' names, sorted as the simulation sorts its clients)."""
 
     def __init__(self, folder: str | Path, device: torch.device, num_classes: int, input_shape: tuple[int, ...],
-                 data_url: str | None = None, site_data: dict | None = None, client_id: int | None = None, opt_out: bool = False):
+                 data_url: str | None = None, site_data: dict | None = None, client_id: int | None = None, opt_out: bool = False,
+                 max_cache_mb: int | None = None):
         self.folder = Path(folder)
         self.census: dict | None = None
         if data_url is not None:
@@ -66,7 +67,7 @@ class Site:
             if not site_data:
                 raise ValueError(f"site {self.folder}: its own files ({data_url}) need the run's data parameters (spec.site_data), "
                                  "which a run started with engine.mode=federation sends")
-            splits, self.census = prepare_own(data_url, site_data, self.folder, device)
+            splits, self.census = prepare_own(data_url, site_data, self.folder, device, max_cache_mb)
             self.client_id, self.opt_out = (-1 if client_id is None else int(client_id)), bool(opt_out)
             self.census = {**self.census, "opt_out": self.opt_out}
             self.data = site_federated_data(splits, self.client_id, self.opt_out, self.census["num_classes"],
@@ -83,13 +84,13 @@ class Site:
         self.data = FederatedData((client,), client.test, num_classes, tuple(input_shape))
 
     @classmethod
-    def from_node(cls, node_config, device: torch.device, spec=None, client_id: int | None = None) -> Site:
+    def from_node(cls, node_config, device: torch.device, spec=None, client_id: int | None = None, max_cache_mb: int | None = None) -> Site:
         """The site a SuperNode's node config names (`site-dir`; with its own files also `data` and `opt-out`)."""
         shape = tuple(spec.input_shape) if spec and spec.input_shape else (1,)
         url = node_config.get("data")
         return cls(str(node_config["site-dir"]), device, spec.num_classes if spec else 0, shape,
                    data_url=str(url) if url else None, site_data=spec.site_data if spec else None, client_id=client_id,
-                   opt_out=str(node_config.get("opt-out", "false")).lower() in ("1", "true", "yes"))
+                   opt_out=str(node_config.get("opt-out", "false")).lower() in ("1", "true", "yes"), max_cache_mb=max_cache_mb)
 
     # --- the server's numbering of own-files sites (the census's), kept for the run's later messages ---------------
     ASSIGNED = "assigned.json"
@@ -130,7 +131,7 @@ class Site:
         for name in (phase, *reversed(earlier)):
             path = self._state_path(name)
             if path.exists() and (spec is None or self._state_run(path) == self._run_key(spec)):
-                return safetensors.torch.load_file(str(path), device=str(device))
+                return _held_or_read(path, device)
         return None
 
     @staticmethod
@@ -152,6 +153,24 @@ class Site:
         safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp),
                                     metadata={"run": self._run_key(spec)} if spec is not None else None)
         tmp.replace(path)  # atomic: a site killed mid-write keeps its previous state
+        _HELD[path] = (_signature(path), {k: v.detach().clone() for k, v in state.items()})
+
+
+#: the personal states a warm site worker wrote, kept in memory for its next round: {file: (its signature, tensors)};
+#: read back only while the file on disk is the one written (same size, mtime and inode), else the file is read
+_HELD: dict[Path, tuple[tuple, dict[str, torch.Tensor]]] = {}
+
+
+def _signature(path: Path) -> tuple:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _held_or_read(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    held = _HELD.get(path)
+    if held is not None and held[0] == _signature(path):
+        return {k: v.clone().to(device) for k, v in held[1].items()}
+    return safetensors.torch.load_file(str(path), device=str(device))
 
 
 def state_digest(state: dict[str, torch.Tensor] | None) -> int:

@@ -33,37 +33,13 @@ import time
 from pathlib import Path
 
 from fedpipe.federation import flower_env
+from fedpipe.federation.app import pyproject
 from fedpipe.federation.certs import make_site_key, make_tls
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENV = flower_env()  # FEDPIPE_FLOWER_ENV, else .cache/flower-venv
 CONNECTION = "fedpipe-tryout"
 
-APP_PYPROJECT = """\
-[project]
-name = "fedpipeapp"
-version = "0.1.0"
-description = "fedpipe's ServerApp and ClientApp (the code lives in the fedpipe package at the sites and the server)"
-license = "Apache-2.0"
-dependencies = []
-
-[tool.flwr.app]
-publisher = "fedpipe"
-
-[tool.flwr.app.components]
-serverapp = "fedpipe.federation.server_app:app"
-clientapp = "fedpipe.federation.client_app:app"
-
-[tool.flwr.app.config]
-spec-file = {spec}
-out-dir = {out}
-store = {store}
-prefix = {prefix}
-stop-after = {stop_after}
-timeout = {timeout}
-round-timeout = {round_timeout}
-rejoin-wait = {rejoin_wait}
-"""
 
 
 def node_config_arg(entries: dict) -> str:
@@ -81,15 +57,28 @@ def node_config_arg(entries: dict) -> str:
     return " ".join(parts)
 
 
-def supernode_args(supernode: str | Path, superlink: str, ca_cert: str | Path, private_key: str | Path, node_config: dict,
-                   port: int, max_retries: int | None = None) -> list[str]:
-    """The `flower-supernode` command of one site: TLS against `ca_cert`, authenticated by its `private_key`, its folder
-    (and its own files) in its node config, `port` its own ClientApp I/O port (flwr/supernode/cli/flower_supernode.py)."""
-    args = [str(supernode), "--superlink", superlink, "--root-certificates", str(ca_cert), "--auth-supernode-private-key",
+def supernode_options(superlink: str, ca_cert: str | Path, private_key: str | Path, node_config: dict,
+                      port: int, max_retries: int | None = None) -> list[str]:
+    """The `flower-supernode` options of one site: TLS against `ca_cert`, authenticated by its `private_key`, its folder
+    (and its own files) in its node config, `port` its own Runtime API port on 127.0.0.1, which its worker alone
+    talks to (flwr/supernode/cli/flower_supernode.py; the worker adds the process isolation)."""
+    args = ["--superlink", superlink, "--root-certificates", str(ca_cert), "--auth-supernode-private-key",
             str(private_key), "--node-config", node_config_arg(node_config), "--host", "127.0.0.1", "--port", str(port)]
     if max_retries is not None:
         args += ["--max-retries", str(max_retries)]
     return args
+
+
+def site_args(python: str | Path, supernode: list[str], site_dir: str | Path, runtime_port: int, superlink: str,
+              policy: str | Path | None = None, name: str = "") -> list[str]:
+    """The command of one site: fedpipe's warm worker (`fedpipe.federation.worker`, run by the Flower environment's
+    `python`), which starts the SuperNode with the options `supernode` (`supernode_options`) in process isolation as its
+    child and answers it with fedpipe's own ClientApp under the site's `policy` file (None: the defaults)."""
+    args = [str(python), "-m", "fedpipe.federation.worker", "--site-dir", str(site_dir), "--runtime-port", str(runtime_port),
+            "--superlink", superlink, "--name", name]
+    if policy is not None:
+        args += ["--policy", str(policy)]
+    return [*args, "--", *supernode]
 
 
 def write_connection(home: Path, name: str, address: str, ca_cert: str | Path) -> None:
@@ -108,13 +97,10 @@ def submit_app(flwr: str | Path, environ: dict[str, str], app: Path, connection:
     with `store`, meets the submitter in the run's store under `prefix` (`fedpipe.federation.outputs`); `stop_after`:
     the stage it stops after (`server_app.stages`; empty: the whole run)."""
     app.mkdir(parents=True, exist_ok=True)
-    def text(value) -> str:  # a TOML basic string (JSON's escapes are TOML's)
-        return json.dumps(str(value))
-
-    (app / "pyproject.toml").write_text(APP_PYPROJECT.format(
-        spec=text(Path(spec_file).resolve() if spec_file else ""), out=text(Path(out).resolve() if out else ""), store=text(store),
-        prefix=text(prefix), stop_after=text(stop_after), timeout=float(timeout), round_timeout=float(round_timeout),
-        rejoin_wait=float(rejoin_wait)))
+    (app / "pyproject.toml").write_text(pyproject({
+        "spec-file": str(Path(spec_file).resolve()) if spec_file else "", "out-dir": str(Path(out).resolve()) if out else "",
+        "store": store, "prefix": prefix, "stop-after": stop_after, "timeout": float(timeout),
+        "round-timeout": float(round_timeout), "rejoin-wait": float(rejoin_wait)}))
     r = subprocess.run([str(flwr), "run", str(app), connection, "--format", "json"], capture_output=True, text=True, env=environ,
                        timeout=120, cwd=app.parent)
     if r.returncode != 0:
@@ -166,6 +152,7 @@ class LoopbackFederation:
         env["PYTHONPATH"] = str(ROOT)
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
         env["FLWR_TELEMETRY_ENABLED"] = "0"
+        env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.1"  # the SuperLink's SuperExec starts a ServerApp within 0.1 s, not 1
         env.update(extra or {})
         return env
 
@@ -215,10 +202,13 @@ class LoopbackFederation:
             raise RuntimeError(f"flwr supernode register {public_key.name} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
 
     def start_site(self, folder: str | Path, name: str | None = None, register: bool = True, max_retries: int | None = None,
-                   env: dict[str, str] | None = None, node_config: dict | None = None) -> str:
-        """A SuperNode for the site folder `folder`, with a fresh key pair (registered unless `register=False`);
-        `env` adds environment variables to the site's processes (the tests' fault injector); `node_config` adds
-        node config entries (a site with its own files: `data`, `opt-out`)."""
+                   env: dict[str, str] | None = None, node_config: dict | None = None, policy: str | Path | None = None,
+                   worker: bool = True) -> str:
+        """A site for the folder `folder` (its warm worker and its SuperNode, `site_args`), with a fresh key pair
+        (registered unless `register=False`); `env` adds environment variables to the site's processes (the tests' fault
+        injector); `node_config` adds node config entries (a site with its own files: `data`, `opt-out`); `policy`: the
+        site's policy file (None: the defaults). `worker=False`: Flower's own SuperNode in its default subprocess isolation
+        instead, which runs whatever ClientApp a run's FAB names (benchmarks/federation.py runs Flower's own app on it)."""
         folder = Path(folder)
         name = name or folder.name
         for old in (self.certs / "sites" / f"{name}.key", self.certs / "sites" / f"{name}.pub"):
@@ -227,8 +217,10 @@ class LoopbackFederation:
         if register:
             self.register(public)
         node = {"site-dir": str(folder.resolve()), **(node_config or {})}
-        args = supernode_args(self.bin / "flower-supernode", f"127.0.0.1:{self.port}", self.tls["ca_cert"], private, node,
-                              free_port(), max_retries)
+        port = free_port()
+        supernode = supernode_options(f"127.0.0.1:{self.port}", self.tls["ca_cert"], private, node, port, max_retries)
+        args = (site_args(self.bin / "python", supernode, folder.resolve(), port, f"127.0.0.1:{self.port}", policy, name) if worker
+                else [str(self.bin / "flower-supernode"), *supernode])
         self.site_args[name] = (args, dict(env or {}))
         self._spawn(name, args, env)
         return name
@@ -280,13 +272,26 @@ class LoopbackFederation:
 
 
 def kill_site(fed: LoopbackFederation, name: str) -> None:
-    """SIGKILL a site's SuperNode and its ClientApp (a crash: no goodbye to the SuperLink)."""
+    """SIGKILL a site's process (its warm worker: a crash, no goodbye to the SuperLink). Its SuperNode dies with it
+    (PR_SET_PDEATHSIG, `fedpipe.federation.worker`); whatever of the site's process group is still alive 10 s later
+    (a Flower SuperNode started with `worker=False`) is killed too."""
     p = fed.procs.pop(name)
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(p.pid, 0)  # anyone left in the site's group?
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    p.wait(timeout=10)
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:

@@ -360,11 +360,11 @@ def test_register_list_rotate_against_a_real_superlink(superlink):
     assert nodes.get(old, "unregistered") == "unregistered", nodes  # Flower 1.42's JSON lists it as unregistered
 
     # the old key no longer activates: Flower's SuperNode is refused (as an unregistered site's, test_loopback.py)
-    from fedpipe.federation.tryout import supernode_args
+    from fedpipe.federation.tryout import supernode_options
 
     (work / "old-site").mkdir()
-    args = supernode_args(live["link"].bin / "flower-supernode", live["superlink"], work / "certs" / "ca.crt",
-                          keys["hospital-a"][0], {"site-dir": str(work / "old-site")}, free_port())
+    args = [str(live["link"].bin / "flower-supernode"), *supernode_options(live["superlink"], work / "certs" / "ca.crt",
+                                                                          keys["hospital-a"][0], {"site-dir": str(work / "old-site")}, free_port())]
     proc = live["link"]._spawn("old-key", args)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and "Failed to activate SuperNode" not in live["link"].log_of("old-key") and proc.poll() is None:

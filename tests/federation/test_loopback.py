@@ -128,7 +128,8 @@ def test_each_site_reads_only_its_own_folder(loopback):
     for folder in loopback["folders"]:
         meta = json.loads((folder / "site.json").read_text())
         assert folder.name == f"site-{meta['client_id']}"
-        assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "site.json"]  # FedAvg keeps no personal state
+        # FedAvg keeps no personal state: beside its data only the worker's own log and its SuperNode secret
+        assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "messages.jsonl", "site.json", "superexec-secret"]
 
 
 def test_the_superlinks_port_also_serves_its_unauthenticated_control_api(loopback):

@@ -102,4 +102,5 @@ def test_the_resumed_run_ends_at_the_uninterrupted_global_model(restarted):
 def test_the_sites_stayed_up_with_their_folders_intact(restarted):
     assert all(restarted["sites_alive"].values()), restarted["sites_alive"]
     for folder in restarted["folders"]:
-        assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "site.json"]  # FedAvg keeps no personal state
+        # FedAvg keeps no personal state: beside its data only the worker's own log and its SuperNode secret
+        assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "messages.jsonl", "site.json", "superexec-secret"]

@@ -3,7 +3,7 @@
 4 sites, TLS and site keys on, every site every round; 4 rounds with start_fraction 0.25: round 1 is Phase I
 (federation), rounds 2-4 Phase II (personalization), where each site trains its local model and keeps it in its own
 folder (state/personalization.safetensors), never sending it. In round 3 site-1 stops replying (the test-only fault
-injector's `hang`) and is SIGKILLed mid-round; a supervisor (`LoopbackFederation.restart_site`) starts it again with
+injector's `hang`) and its warm worker is SIGKILLed mid-round (its SuperNode dies with it); a supervisor (`LoopbackFederation.restart_site`) starts it again with
 its key and folder.
 
 The fault rule under test (docs/federation.md, "Faults"): the round waits for a reply until the round timeout

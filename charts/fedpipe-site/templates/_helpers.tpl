@@ -66,6 +66,9 @@ app.kubernetes.io/part-of: fedpipe
 
 {{/* The volumes both pods mount: the CA, the site's key, and the data volume (source=volume). */}}
 {{- define "site.volumes" -}}
+- name: policy
+  configMap:
+    name: {{ include "site.fullname" . }}-policy
 - name: ca
   secret:
     secretName: {{ required "superlink.caSecret.name: the Secret with the federation's CA certificate" .Values.superlink.caSecret.name }}
@@ -100,6 +103,9 @@ app.kubernetes.io/part-of: fedpipe
 {{- define "site.volumeMounts" -}}
 - name: ca
   mountPath: /etc/fedpipe/ca
+  readOnly: true
+- name: policy
+  mountPath: /etc/fedpipe/policy
   readOnly: true
 - name: site-key
   mountPath: /etc/fedpipe/key
@@ -153,4 +159,6 @@ app.kubernetes.io/part-of: fedpipe
 - --image-size
 - {{ . | quote }}
 {{- end }}
+- --policy
+- /etc/fedpipe/policy/policy.yaml
 {{- end }}
