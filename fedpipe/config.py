@@ -220,6 +220,14 @@ class DropCheckConfig(Section):
     promoted model scores below this many times chance, having scored at least chance_multiple x chance on that
     client at registration: the signature of files moved to other labels and renamed (new samples, so no shared
     sample shows it; the client's whole split falls too little for max_drop). 0: this rule is off."""
+    max_seen_drop: float = Field(0.10, ge=0.0, le=1.0)
+    """...or on whose test samples the promoted version's own drop held (at least min_samples) the promoted model,
+    scored on the new drop's copies of those files and on its own drop's, loses more than this: files relabelled or
+    swapped under their old names, however many new files dilute them. 1: this rule is off."""
+    max_new_drop: float = Field(0.10, ge=0.0, le=1.0)
+    """...or on whose NEW test samples (at least min_samples) the promoted model scores more than this, plus two
+    standard errors of sampling, below its accuracy on that client at registration: files moved to other labels
+    and renamed, however many unchanged files are renamed with them. 1: this rule is off."""
 
 
 class KubeflowHubConfig(Section):

@@ -87,9 +87,11 @@ def three_drops(tmp_path_factory):
     _, first = _published(root, "one")
     _drop(root, "2026-02-01", 1200, relabel=True)
     relabelled, second = _published(root, "two")
-    # the same candidate decided again without the rule (what the gate did before it), while version 1 is promoted
+    # the same candidate decided again without the rule, nor issue 55's new-samples rule that also catches it (what the
+    # gate did before both), while version 1 is promoted
     registry = relabelled.cfg.registry
-    without = registry.model_copy(update={"drop_check": registry.drop_check.model_copy(update={"relabel_below_chance": 0.0})})
+    without = registry.model_copy(update={"drop_check": registry.drop_check.model_copy(update={"relabel_below_chance": 0.0,
+                                                                                               "max_new_drop": 1.0})})
     unchecked = decide(relabelled, ModelLine(open_store(str(root / "store")), LINE), without)
     _drop(root, "2026-03-01", 1797)
     _, third = _published(root, "three")
@@ -112,7 +114,7 @@ def test_a1_a_relabelled_drop_with_renamed_files_is_refused_and_a_benign_growing
     assert all(c["then"] - c["now"] <= 0.4 for c in check["clients"])  # every whole-split fall under max_drop, as the audit's
     assert second["reason"].startswith("not promoted: the drop check flags") and all(n in second["reason"] for n in flagged)
     assert "relabel_below_chance" in second["reason"]
-    # the rule is what stops it: without it the same candidate is promoted (as it was before the rule)
+    # the rules on the new samples are what stop it: without them the same candidate is promoted (as before the rules)
     assert unchecked.promote and not unchecked.drop_check["suspect"], unchecked.reason
     assert "the drop check's relabelled-new-samples rule (registry.drop_check.relabel_below_chance=0)" in unchecked.to_json()["checks_off"]
     # a benign growing drop: new samples from the same sources, scored by the promoted model as its old ones were
@@ -135,7 +137,7 @@ def test_a1_the_relabel_rule_hand_computed():
     assert "below 0.5x chance (0.050), having scored 0.950 on this client at registration" in checks["relabelled"].flagged
     assert not any(checks[n].flagged for n in ("benign", "few", "never-good", "only-old"))
     assert checks["relabelled"].to_json()["on_new"] == 0.01 and checks["only-old"].to_json()["on_new"] is None
-    off = DropCheckConfig(relabel_below_chance=0.0)
+    off = DropCheckConfig(relabel_below_chance=0.0, max_new_drop=1.0)  # issue 55's new-samples rule catches it too
     assert not any(c.flagged for c in check_drop(then, now, dict.fromkeys(now, 50), labels, 10, off, on_new))
 
 
@@ -235,16 +237,16 @@ def test_a4_regate_says_its_verdict_once_and_what_it_turned_off_and_list_agrees(
     store = f"--store={root / 'store'}"
     assert line.promoted() == 3 and line.record(2).decision["promoted"] is False
     # the audit's drop promoted after all: its relabelling checked by hand, say (and past version 3, which is better)
-    opened = ["--set=registry.drop_check.relabel_below_chance=0", "--set=registry.drop_check.max_drop=1", "--set=registry.tolerance=1",
-              "--set=registry.max_client_drop=1"]
+    opened = ["--set=registry.drop_check.relabel_below_chance=0", "--set=registry.drop_check.max_new_drop=1",
+              "--set=registry.drop_check.max_drop=1", "--set=registry.tolerance=1", "--set=registry.max_client_drop=1"]
     regated = _cli("models", "regate", f"{LINE}@2", store, *opened)
     out = regated.output
     assert regated.exit_code == 0 and f"model line {LINE}, version 2: promoted: " in out, out
     assert "promoted: promoted:" not in out and "not promoted: not promoted:" not in out
     off = ("checks off: the drop check's accuracy-fall rule (registry.drop_check.max_drop=1); the drop check's relabelled-new-samples "
-           "rule (registry.drop_check.relabel_below_chance=0); the per-client loss limit (registry.max_client_drop=1); the metric "
-           "comparison (registry.tolerance=1)")
-    assert f"decided      with registry.drop_check.relabel_below_chance=0, registry.drop_check.max_drop=1, registry.tolerance=1, " \
+           "rule (registry.drop_check.relabel_below_chance=0); the drop check's new-samples rule (registry.drop_check.max_new_drop=1); "
+           "the per-client loss limit (registry.max_client_drop=1); the metric comparison (registry.tolerance=1)")
+    assert f"decided      with registry.drop_check.relabel_below_chance=0, registry.drop_check.max_new_drop=1, registry.drop_check.max_drop=1, registry.tolerance=1, " \
            f"registry.max_client_drop=1; {off}; compared on the test samples both drops hold" in out, out
     entry = line.history()[-1]
     assert line.promoted() == 2 and entry["reason"].startswith("regated: promoted (with registry.drop_check.relabel_below_chance=0")

@@ -121,7 +121,8 @@ class DataConfig(Section):
     """With a data.source ending in /latest: what a drop's folder name looks like (a regular expression
     matched against the whole name; ISO dates by default: 2026-11-25, 2026-11-25T03-00Z). Other sub-folders
     are never picked, so a stray `zz-...` folder cannot pin `latest`; nor can a name whose leading date is no
-    calendar day (9999-99-99) or lies after tomorrow (UTC), nor a symbolic link: each is skipped with a warning."""
+    calendar day (9999-99-99) or lies after tomorrow (UTC), or (by default) whose suffix is no time of day
+    (2026-01-01_zzzzzz), nor a symbolic link: each is skipped with a warning."""
 
     drop_complete: Literal["auto", "success_file", "manifest_last", "none"] = "auto"
     """With /latest: how a drop shows its upload is finished: success_file (a `_SUCCESS` file in it),

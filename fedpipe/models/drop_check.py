@@ -10,26 +10,44 @@ split and compares with the figures the version recorded of itself when it was r
 A client is flagged when it has at least `min_samples` test samples now and
 - its accuracy fell by more than `max_drop`, or
 - it fell below `chance_multiple` x chance (1 / classes) having been above it, or
-- its label distribution moved by more than `max_label_shift` (total variation distance), or
-- relabelled new samples (`relabel_below_chance`): on the client's NEW test samples (those the promoted version's
-  drop did not hold; at least `min_samples` of them) the promoted version scores below `relabel_below_chance` x
-  chance, while it scored at least `chance_multiple` x chance on that client at registration.
+- its label distribution moved by more than `max_label_shift` (total variation distance);
+and, when the promoted version's drop can be read again (so which samples are new is known), on each part of the
+client's test split apart (at least `min_samples` samples in the part):
+- seen samples (`max_seen_drop`): on the test files the promoted version's drop held (same client, same file
+  name: `fedpipe.data.identity`), the promoted model scored on the new drop's copies loses more than
+  `max_seen_drop` against its own drop's copies of the same files. Paired on the same files, an unchanged drop
+  loses exactly nothing, so the bound can be tight: a file relabelled or swapped under its old name shows, however
+  many new files dilute the whole split;
+- new samples (`max_new_drop`): on the client's NEW test samples, the promoted model scores more than
+  `max_new_drop` + NEW_SAMPLE_Z standard errors below its accuracy on that client at registration. New files from
+  the same sources score what the client's old test files scored (both were unseen in training), within sampling
+  error: sqrt(p (1 - p) (1 / n_new + 1 / n_then)), p the accuracy at registration;
+- relabelled new samples (`relabel_below_chance`): on the new samples the promoted model scores below
+  `relabel_below_chance` x chance, while it scored at least `chance_multiple` x chance on that client at
+  registration.
 Any flagged client marks the drop as suspect: the candidate is not promoted.
 
-Why the last rule: files moved to another label folder AND renamed are new samples (a sample's identity is its
-client and file name, `fedpipe.data.identity`), so no sample both drops hold shows the change, and when a fifth of a
-client's files move, its whole test split falls by only ~0.2, under `max_drop`. But on the moved files themselves
-the promoted model, fine on that client before, is far BELOW chance (0.01 where chance is 0.1): it keeps
-predicting what the images show, and every label contradicts it. A benign drop's new samples (more of the same
-sources) score about what the client scored before. A site that starts sending only a label it never had looks the
-same to the promoted model and is flagged too: if the change is real, decide again with
-`fedpipe models regate LINE@V --set registry.drop_check.relabel_below_chance=0`. (New samples diluted with many
-benign ones are caught only as far as the other rules catch them.)
+Why the parts apart: files moved to another label folder AND renamed are new samples, so no sample both drops
+hold shows the change, and when a quarter of a client's files move, its whole test split falls by only ~0.2,
+under `max_drop`. Compared with chance, the new samples gave it away only while few unchanged files were renamed
+with them: the audit renamed every second unchanged file too, and the promoted model scored 0.44 on the "new"
+samples, above 0.5 x chance. Compared with what the client scored at registration, the new part falls by the
+moved files' share of it, which is smallest when EVERY file is renamed: then the new part is the whole split, and
+its fall (the moved share x the accuracy, 0.20-0.28 in the audit) must exceed `max_new_drop` plus sampling error
+(~0.05 for 90 samples at 0.9) to be caught. Renaming fewer files only concentrates the moved ones in the new part,
+and relabelling files under their old names shows on the seen part; so no choice of how many files to rename or
+how many honest files to add keeps a quarter of a client relabelled under both bounds. What still passes: a
+relabelled share below about `max_new_drop` / accuracy (~0.1) of a client's test files. A benign drop's new
+samples (more of the same sources) score what the client scored before. A site whose new data really differs
+(a label it never had, another scanner) looks the same to the promoted model and is flagged too: if the change is
+real, decide again with `fedpipe models regate LINE@V --set registry.drop_check.max_new_drop=1` (or another rule's
+setting, each named in the reason).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +59,8 @@ from fedpipe.safe_load import parse_json
 
 EVALUATION_FILE = "evaluation.json"
 EVALUATION_FORMAT = "fedpipe.version-evaluation/1"
+NEW_SAMPLE_Z = 2.0  # standard errors of sampling allowed on the new samples: ~2% of benign clients past max_new_drop's
+#                    margin by chance alone is then what that margin must absorb
 MAX_EVALUATION_BYTES = 256 * 2**20  # 100,000 clients x 1,000 label counts is ~200 MB of JSON; more is not a record
 
 
@@ -103,11 +123,46 @@ class ClientCheck:
     flagged: str = ""  # why it is flagged ("" when it is not)
     on_new: float | None = None  # ... on the client's new test samples alone (None: none, or not known)
     new_samples: int = 0  # how many of the client's test samples are new
+    seen: Seen | None = None  # ... on the test samples the promoted version's drop held (None: none, or not known)
 
     def to_json(self) -> dict:
+        r = lambda v: None if v is None else round(v, 6)  # noqa: E731
         return {"client": self.name, "then": round(self.then, 6), "now": round(self.now, 6), "test_samples": self.samples,
-                "label_shift": round(self.shift, 6), "on_new": None if self.on_new is None else round(self.on_new, 6),
-                "new_test_samples": self.new_samples, "flagged": self.flagged}
+                "label_shift": round(self.shift, 6), "on_new": r(self.on_new), "new_test_samples": self.new_samples,
+                "on_seen": r(self.seen and self.seen.now), "on_seen_then": r(self.seen and self.seen.then),
+                "seen_test_samples": self.seen.samples if self.seen else 0, "flagged": self.flagged}
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The promoted version on a client's test samples that its own drop held: on the new drop's copies of those
+    files (`now`) and on its own drop's copies (`then`)."""
+
+    now: float
+    then: float
+    samples: int
+
+
+def seen_fell(seen: Seen | None, cfg: DropCheckConfig) -> str:
+    """The seen-samples rule (the module's docstring): why it flags a client ("" when it does not)."""
+    if seen is None or seen.samples < cfg.min_samples or not seen.then - seen.now > cfg.max_seen_drop:
+        return ""
+    return (f"on its {seen.samples} test samples the promoted version's drop held, the promoted model fell {seen.then:.3f} -> "
+            f"{seen.now:.3f} on the new drop's copies of the same files (more than {cfg.max_seen_drop:g}; max_seen_drop): "
+            "files changed or relabelled under their old names")
+
+
+def new_fell(before: float, then_samples: int, on_new: float | None, new_samples: int, cfg: DropCheckConfig) -> str:
+    """The new-samples rule (the module's docstring): why it flags a client ("" when it does not)."""
+    if on_new is None or new_samples < cfg.min_samples:
+        return ""
+    p = min(max(before, 0.0), 1.0)
+    error = NEW_SAMPLE_Z * math.sqrt(p * (1 - p) * (1 / new_samples + 1 / max(1, then_samples)))
+    if not before - on_new > cfg.max_new_drop + error:
+        return ""
+    return (f"on its {new_samples} new test samples the promoted model scores {on_new:.3f}, more than {cfg.max_new_drop:g} "
+            f"(max_new_drop) + {error:.3f} (sampling) below the {before:.3f} it scored on this client at registration: "
+            "files moved to other labels and renamed, or new data unlike the client's")
 
 
 def relabelled(before: float, on_new: float | None, new_samples: int, num_classes: int, cfg: DropCheckConfig) -> str:
@@ -123,12 +178,13 @@ def relabelled(before: float, on_new: float | None, new_samples: int, num_classe
 
 def check_drop(then: dict[str, ClientFigures], now: dict[str, float], samples: dict[str, int],
                labels_now: dict[str, np.ndarray], num_classes: int, cfg: DropCheckConfig,
-               on_new: dict[str, tuple[float, int]] | None = None) -> list[ClientCheck]:
+               on_new: dict[str, tuple[float, int]] | None = None, on_seen: dict[str, Seen] | None = None) -> list[ClientCheck]:
     """Every client the promoted version recorded and the new drop holds, with why it is flagged (if it is);
     flagged clients first, worst first. `on_new`: the promoted version's accuracy on each client's new test
-    samples and their count (the relabelled-new-samples rule; without it that rule is not applied)."""
+    samples and their count; `on_seen`: its figures on the samples its own drop held (without them, the rules on
+    those parts are not applied)."""
     floor = cfg.chance_multiple / max(1, num_classes)
-    on_new = on_new or {}
+    on_new, on_seen = on_new or {}, on_seen or {}
     checks = []
     for name in sorted(set(then) & set(now)):
         before, after, n = then[name].accuracy, now[name], samples.get(name, 0)
@@ -142,6 +198,7 @@ def check_drop(then: dict[str, ClientFigures], now: dict[str, float], samples: d
                 why = f"accuracy fell to {after:.3f}, below {cfg.chance_multiple:g}x chance ({floor:.3f}), from {before:.3f}"
             elif shift > cfg.max_label_shift:
                 why = f"label distribution moved by {shift:.2f} (total variation; more than {cfg.max_label_shift:g})"
-        why = why or relabelled(before, fresh, fresh_n, num_classes, cfg)
-        checks.append(ClientCheck(name, before, after, n, shift, why, fresh, fresh_n))
+        why = (why or seen_fell(on_seen.get(name), cfg) or relabelled(before, fresh, fresh_n, num_classes, cfg)
+               or new_fell(before, then[name].test_samples, fresh, fresh_n, cfg))
+        checks.append(ClientCheck(name, before, after, n, shift, why, fresh, fresh_n, on_seen.get(name)))
     return sorted(checks, key=lambda c: (not c.flagged, c.now - c.then, c.name))

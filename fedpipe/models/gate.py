@@ -15,8 +15,9 @@
 
 Clients are matched by name (a natural partition's client names, else the ids). Before comparing, the drop
 check (`fedpipe.models.drop_check`) scores the promoted version on each client's new test split against
-what it recorded at registration, and on the client's new test samples alone (those its own drop did not hold:
-relabelled files under new names show there); a flagged client marks the drop as suspect and nothing is promoted.
+what it recorded at registration, and on each part of it apart: the samples its own drop held (paired with its
+drop's copies of the same files) and the new ones (relabelled files under new names show there, however many
+other files are renamed); a flagged client marks the drop as suspect and nothing is promoted.
 A decision names the checks its settings turned off (`checks_off`).
 
 The metric (`registry.gate_metric`):
@@ -44,7 +45,7 @@ from pydantic import ValidationError
 from fedpipe.config import RegistryConfig, format_validation_error
 from fedpipe.data import LabeledArrays
 from fedpipe.errors import ConfigError, CorruptArtifactError, DataError
-from fedpipe.models.drop_check import ClientCheck, check_drop, evaluation_bytes, label_shift, read_evaluation
+from fedpipe.models.drop_check import ClientCheck, Seen, check_drop, evaluation_bytes, label_shift, read_evaluation
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.models.sides import Scores, Side, candidate_side, champion_side, own_scores, score, version_data
 from fedpipe.run.config import RunConfig
@@ -98,7 +99,8 @@ def settings_of(registry: RegistryConfig) -> dict:
 
 # the drop check's rules and the value that turns each off (or opens it all the way)
 _RULES_OFF = (("max_drop", "accuracy-fall rule", lambda v: v >= 1), ("max_label_shift", "label-shift rule", lambda v: v >= 1),
-              ("chance_multiple", "below-chance rule", lambda v: v <= 0), ("relabel_below_chance", "relabelled-new-samples rule", lambda v: v <= 0))
+              ("chance_multiple", "below-chance rule", lambda v: v <= 0), ("relabel_below_chance", "relabelled-new-samples rule", lambda v: v <= 0),
+             ("max_seen_drop", "seen-samples rule", lambda v: v >= 1), ("max_new_drop", "new-samples rule", lambda v: v >= 1))
 
 
 def checks_off(settings: dict) -> list[str]:
@@ -147,8 +149,9 @@ def decide(candidate: Run, line: ModelLine, registry: RegistryConfig) -> Decisio
         tests, globals_, compared = _shared_sets(cand, champ, known, own_drop, where)
     mine_shared, theirs = score(cand, cfg, device, tests, globals_), score(champ, cfg, device, tests, globals_)
     new_samples, on_new = _apart(cand, champ, cfg, device, new_tests, new_globals)
+    on_seen = _seen(cand, champ, known, cfg, device) if own_drop else None
     checks, check_note = _drop_check(cand, champ, line, version, known, registry, cfg, device,
-                                     on_new if own_drop or champ_cfg.data == cfg.data else None)
+                                     on_new if own_drop or champ_cfg.data == cfg.data else None, on_seen)
     floors = _floors(cand, champ, record, [n for n in mine.clients if n not in known], mine, cfg, device)
     new = tuple(n for n in mine.clients if n not in known)
     shared = Scores({n: a for n, a in mine_shared.clients.items() if n in known}, mine_shared.global_accuracy)
@@ -177,9 +180,10 @@ def compare(mine: Scores, theirs: Scores, version: int, registry: RegistryConfig
     if metric == "global_accuracy" and theirs.global_accuracy is None:
         raise ConfigError(f"registry.gate_metric=global_accuracy, but the promoted version {version} has no global model "
                           "to compare with: choose personalized_accuracy or worst10_accuracy. Nothing was promoted.")
-    if not shared and metric != "global_accuracy":
-        return Decision(False, f"no client of this run is one of version {version}'s, so {metric} cannot be compared: "
-                        "not promoted (promote it by hand if it is wanted)", metric, None, None, version, 0, new, on_new, **common)
+    if not shared and metric != "global_accuracy":  # every test file renamed, say: the drop check still speaks first
+        figures = f"no client of this run is one of version {version}'s, so {metric} cannot be compared"
+        return Decision(False, _suspect(flagged, figures) if suspect else f"{figures}: not promoted (promote it by hand if it "
+                        "is wanted)", metric, None, None, version, 0, new, on_new, **common)
     candidate = gate_metric(metric, [mine.clients[n] for n in shared], mine.global_accuracy)
     champion = gate_metric(metric, [theirs.clients[n] for n in shared], theirs.global_accuracy)
     drops = {n: theirs.clients[n] - mine.clients[n] for n in shared}
@@ -188,10 +192,7 @@ def compare(mine: Scores, theirs: Scores, version: int, registry: RegistryConfig
     better = candidate >= champion - registry.tolerance
     figures = f"{metric} {candidate:.4f} vs {champion:.4f} of version {version} over {len(shared)} shared clients"
     if suspect:
-        named = "; ".join(f"{c.name}: {c.flagged}" for c in flagged[:5])
-        reason = (f"not promoted: the drop check flags {len(flagged)} client(s) ({named}{' ...' if len(flagged) > 5 else ''}): the "
-                  f"new data looks broken or poisoned for them. Check those clients' files; once the drop is fixed "
-                  f"retrain, or decide again with `fedpipe models regate` ({figures})")
+        reason = _suspect(flagged, figures)
     elif not better:
         reason = f"not promoted: {figures}, below it by more than the tolerance {registry.tolerance:g}"
     elif dropped:
@@ -206,6 +207,14 @@ def compare(mine: Scores, theirs: Scores, version: int, registry: RegistryConfig
         reason = f"promoted: {figures} (tolerance {registry.tolerance:g}); no client lost more than {registry.max_client_drop:g}"
     promote = better and not dropped and not below and not suspect
     return Decision(promote, reason, metric, candidate, champion, version, len(shared), new, on_new, dropped, **common)
+
+
+def _suspect(flagged: list[ClientCheck], figures: str) -> str:
+    """The reason of a decision the drop check stopped."""
+    named = "; ".join(f"{c.name}: {c.flagged}" for c in flagged[:5])
+    return (f"not promoted: the drop check flags {len(flagged)} client(s) ({named}{' ...' if len(flagged) > 5 else ''}): the "
+            f"new data looks broken or poisoned for them. Check those clients' files; once the drop is fixed "
+            f"retrain, or decide again with `fedpipe models regate` ({figures})")
 
 
 def worst_fraction_mean(accuracies: list[float], fraction: float) -> float:
@@ -305,6 +314,18 @@ def _new_sets(cand: Side, champ: Side, known: list[str]):
     return new_tests, {"": LabeledArrays(cg.x[fresh], cg.y[fresh])}
 
 
+def _seen(cand: Side, champ: Side, known: list[str], cfg: RunConfig, device) -> dict[str, Seen]:
+    """The promoted version on each shared client's test samples that its own drop held: on the new drop's copies
+    of those files and on its own drop's (what the drop check's seen-samples rule reads)."""
+    now, then = {}, {}
+    for n in known:
+        ct, ht = cand.client(n).test, champ.client(n).test
+        now[n] = _take(cand, ct[np.isin(cand.ids(ct), champ.ids(ht))])
+        then[n] = _take(champ, ht[np.isin(champ.ids(ht), cand.ids(ct))])
+    on_now, on_then = score(champ, cfg, device, now).clients, score(champ, cfg, device, then).clients
+    return {n: Seen(on_now[n], on_then[n], len(now[n])) for n in on_now if n in on_then}
+
+
 def _reference_sets(candidate: Run, url: str, known: list[str]):
     """(tests, globals, what was compared) from the pinned reference set `registry.reference`."""
     from fedpipe.data.files import load_files
@@ -342,10 +363,11 @@ def _apart(cand: Side, champ: Side, cfg: RunConfig, device, tests: dict, globals
 
 
 def _drop_check(cand: Side, champ: Side, line: ModelLine, version: int, known: list[str], registry: RegistryConfig,
-                cfg: RunConfig, device, on_new: dict[str, tuple[float, int]] | None) -> tuple[list[ClientCheck], str]:
-    """The promoted version on each shared client's new test split, against its figures at registration; `on_new`:
-    on each client's new test samples alone (None: which samples are new is not known, as the promoted version's
-    drop could not be read again)."""
+                cfg: RunConfig, device, on_new: dict[str, tuple[float, int]] | None,
+                on_seen: dict[str, Seen] | None) -> tuple[list[ClientCheck], str]:
+    """The promoted version on each shared client's new test split, against its figures at registration; `on_new`,
+    `on_seen`: on each client's new test samples, and on those its own drop held (None: which samples are new is not
+    known, as the promoted version's drop could not be read again)."""
     if not registry.drop_check.enabled:
         return [], "disabled (registry.drop_check.enabled=false)"
     then = read_evaluation(line, version)
@@ -355,11 +377,11 @@ def _drop_check(cand: Side, champ: Side, line: ModelLine, version: int, known: l
     now = score(champ, cfg, device, tests).clients
     labels = {n: cand.client(n).label_counts for n in tests}
     note = ""
-    if on_new is None and registry.drop_check.relabel_below_chance > 0:
-        note = (f"which test samples are new is not known (version {version}'s drop was not read again): the "
-                "relabelled-new-samples rule (relabel_below_chance) was not applied")
+    if on_new is None:
+        note = (f"which test samples are new is not known (version {version}'s drop was not read again): the rules on "
+                "the seen and the new samples apart (max_seen_drop, max_new_drop, relabel_below_chance) were not applied")
     return check_drop(then, now, {n: len(t) for n, t in tests.items()}, labels, cand.bundle.num_classes, registry.drop_check,
-                      on_new if registry.drop_check.relabel_below_chance > 0 else None), note
+                      on_new, on_seen), note
 
 
 def _floors(cand: Side, champ: Side, record: VersionRecord, new: list[str], mine: Scores, cfg: RunConfig, device) -> dict:

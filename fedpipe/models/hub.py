@@ -25,6 +25,9 @@ names, else the pod's service-account token (what the registry's kube-rbac-proxy
 only to the registry FEDPIPE_HUB_URL names (scheme, host and port), set beside the token by whoever holds
 it: registry.kubeflow_hub.url is a config field, and a Kubeflow run's parameters can set it, so a URL from
 the config alone never receives a token (as MLflow's credentials go only to MLFLOW_TRACKING_URI's server).
+The decision is fedpipe's alone: the `model_registry` client, given no token, would read one of its own
+($KF_PIPELINES_SA_TOKEN_PATH, else the pod's service-account token) and send it to whatever URL it was given,
+so `connect` builds it with that fallback turned off (`_client_class`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -126,11 +130,27 @@ def _port_hint(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Server address protocol is")
 
 
+def _client_class():
+    """`model_registry.ModelRegistry` with its own token fallback turned off: given no token it sends none."""
+    from model_registry import ModelRegistry
+
+    if not callable(getattr(ModelRegistry, "_get_user_token", None)):  # the fallback moved: it cannot be turned off
+        raise HubError("this `model-registry` client reads a token of its own in a way fedpipe cannot turn off, so it could "
+                       "send the service-account token to any URL: install the version fedpipe pins (pip install 'fedpipe[hub]').")
+
+    class OwnTokenOnly(ModelRegistry):
+        @staticmethod
+        def _get_user_token(user_token_envvar: str | None = None) -> str | None:
+            return None  # the token is `connect`'s decision (`token`, `is_trusted`), never the client's
+
+    return OwnTokenOnly
+
+
 def connect(cfg: KubeflowHubConfig):
     """A `model_registry.ModelRegistry` for `cfg.url` (its constructor lists one page of models: a check
     that the address and the token work)."""
     try:
-        from model_registry import ModelRegistry
+        client = _client_class()
     except ImportError:
         raise HubError("the `model-registry` client is not installed: pip install 'fedpipe[hub]' (fedpipe's images have it).") from None
     parts = urlsplit(cfg.url)
@@ -152,7 +172,9 @@ def connect(cfg: KubeflowHubConfig):
                        f"is mounted ({SA_TOKEN}).")
     ca = os.environ.get(ENV_CA, "").strip() or None
     logging.getLogger("model-registry").addFilter(_port_hint)  # its hint misreads the registry's own port 8080 / 8443
-    return ModelRegistry(address, port, author=cfg.author, is_secure=secure, user_token=bearer, custom_ca=ca)
+    with warnings.catch_warnings():  # "User access token is missing": an http registry without auth, as decided above
+        warnings.simplefilter("ignore", UserWarning)
+        return client(address, port, author=cfg.author, is_secure=secure, user_token=bearer, custom_ca=ca)
 
 
 def _register(client, name: str, line: ModelLine, record: VersionRecord, uri: str) -> dict:

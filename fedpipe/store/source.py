@@ -18,7 +18,9 @@ Only drops that can be trusted to be whole and to be drops are candidates (`Drop
 prefix inside the root (a symbolic link is never followed out of it), whose name matches the drop pattern
 (ISO dates by default: a `zz-...` or `~provider` name cannot pin `latest` forever), whose date, when its name
 starts with one (YYYY-MM-DD), is a real calendar day no later than tomorrow (UTC): `9999-99-99` or a drop
-dated next year would sort after every real drop and stay `latest` for good; and that is complete: it holds
+dated next year would sort after every real drop and stay `latest` for good; whose suffix after the date, under
+the default pattern, is a time of day (`T03-00Z`; `_zzzzzz` or `T99:99` would sort after that day's real drops);
+and that is complete: it holds
 a `_SUCCESS` marker, or its own manifest was written after every other file. Each drop passed over (a
 half-uploaded one, an impossible or future date, a symbolic link named as a drop) is named in a warning.
 """
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 
 MAX_SOURCE_OBJECTS = 10_000_000  # files in one source: 10 million small images is far above real use
 LATEST = "latest"
-ISO_DATE_DROPS = r"\d{4}-\d{2}-\d{2}([T_.-][0-9A-Za-z:._-]{0,64})?"  # 2026-11-25, 2026-11-25T03-00Z, 2026-11-25_2
+ISO_DATE_DROPS = r"\d{4}-\d{2}-\d{2}([T_.-][0-9A-Za-z:._-]{0,64})?"  # 2026-11-25, 2026-11-25T03-00Z, 2026-11-25_0300
 SUCCESS_MARKER = "_SUCCESS"  # what Spark, Hadoop and many exporters write last into a finished output
 DROP_MANIFEST = "fedpipe-data.yaml"  # `fedpipe.data.files.manifest.MANIFEST_NAME` (the data layer reads it)
 _CHUNK = 2**20  # bytes hashed or fetched at a time
@@ -165,6 +167,9 @@ def _write_key(key: str) -> str:
 
 _SAID: set[tuple[str, str]] = set()  # (drops root, drop) already named in the log
 _DATED = re.compile(r"(\d{4})-(\d{2})-(\d{2})")  # a drop name's leading ISO date
+# what may follow it under the default pattern: a time of day, hours first (03, 03-00, 0300, 03:00:00.5), and a zone
+_TIME_OF_DAY = re.compile(r"[T_.-](?P<h>\d{2})(?:([:-]?)(?P<m>\d{2})(?:\2(?P<s>\d{2})(?:[.,]\d{1,9})?)?)?"
+                          r"(?:Z|[+-](?P<zh>\d{2})(?::?(?P<zm>\d{2}))?)?")
 FUTURE_SLACK = timedelta(days=1)  # a drop stamped in a time zone ahead of UTC is dated "tomorrow" for up to a day
 
 
@@ -188,6 +193,22 @@ def date_problem(name: str, today: date | None = None) -> str:
     return ""
 
 
+def time_problem(name: str) -> str:
+    """Why the suffix after a drop's leading date is not a time of day ("" when it is, or there is none): a suffix
+    only orders drops within their day, so `2026-01-01_zzzzzz` or `2026-11-28T99:99` must not sort after every
+    real drop of that day (or, with a digit-free suffix, be taken for one)."""
+    m = _DATED.match(name)
+    rest = name[m.end():] if m else ""
+    if not rest:
+        return ""
+    t = _TIME_OF_DAY.fullmatch(rest)
+    fields = t and [(t["h"], 23), (t["m"], 59), (t["s"], 59), (t["zh"], 14), (t["zm"], 59)]
+    if not fields or any(v is not None and int(v) > most for v, most in fields):
+        return (f"{rest!r} after the date is not a time of day (a suffix only orders the drops of one day: write it as "
+                "T03, T03-00, T0300 or T03:00:00Z)")
+    return ""
+
+
 @dataclass(frozen=True)
 class DropPolicy:
     """Which sub-folders of a drops root `latest` may pick (`data.drop_pattern`, `data.drop_complete`)."""
@@ -202,6 +223,11 @@ class DropPolicy:
     def matches(self, name: str) -> bool:
         return len(name) <= 255 and re.fullmatch(self.pattern, name) is not None
 
+    def misdated(self, name: str, today: date) -> str:
+        """Why a drop named as one cannot be `latest` by its name ("" when it can): its date (`date_problem`) and,
+        under the default pattern, its suffix (`time_problem`; a pattern of one's own says what a suffix is)."""
+        return date_problem(name, today) or (time_problem(name) if self.pattern == ISO_DATE_DROPS else "")
+
 
 def _newest(children: list[str], parent: str, policy: DropPolicy, complete) -> str:
     """The newest drop name under `parent` that matches the policy's pattern and is `complete(name)`, logged; a
@@ -212,11 +238,11 @@ def _newest(children: list[str], parent: str, policy: DropPolicy, complete) -> s
         log.info("%s/%s: %d sub-folder(s) whose names are not drops were passed over (%s).", parent, LATEST, len(other),
                  ", ".join(other[:5]) + (" ..." if len(other) > 5 else ""))
     today = _today()
-    misdated = {c: why for c in named if (why := date_problem(c, today))}
+    misdated = {c: why for c in named if (why := policy.misdated(c, today))}
     drops = [c for c in named if c not in misdated]
     if misdated:
-        log.warning("%s/%s: %d drop(s) skipped for their date (%s): a drop named after a day that cannot be, or has not "
-                    "come, would sort after every real drop and stay `latest` for good. Rename it to the day it was made.",
+        log.warning("%s/%s: %d drop(s) skipped for their date (%s): a drop named after a day or a time that cannot be, or "
+                    "has not come, would sort after every real drop and stay `latest` for good. Rename it to when it was made.",
                     parent, LATEST, len(misdated), "; ".join(f"{c}: {why}" for c, why in list(misdated.items())[:5])
                     + (" ..." if len(misdated) > 5 else ""))
     incomplete = []

@@ -42,19 +42,29 @@ MAX_CELLS = 2000
 MAX_AXIS_VALUES = 64
 MAX_TEXT = 600
 NAME = r"^[a-z0-9][a-z0-9_]{0,63}$"
-#: What a reproduction file may set: the paper's setting. Where runs are stored and where their telemetry goes
-#: (run.*, telemetry.*, registry.*) are the user's (`--set`), never a file's: a shared reproduction file that
-#: named telemetry.mlflow would make every run of it contact that host.
-SETTING_SECTIONS = ("data", "partition", "model", "method", "train", "eval", "engine")
-CONFIG_PATH = r"^(" + "|".join(SETTING_SECTIONS) + r")(\.[a-z_][a-z0-9_]*)+$"
-NOT_A_SETTING = (f"is not a config path of the paper's setting (under {', '.join(SETTING_SECTIONS)}, like train.rounds; "
-                 "run.*, telemetry.* and registry.* are set with --set when you run it, never by the file)")
+#: What a reproduction file may set: the paper's setting, and of `data` only the dataset's name. Where the data
+#: comes from and how much of it may be decoded (data.*), how the run executes (engine.*), what it starts from
+#: (train.init_from), where runs are stored and where their telemetry goes (run.*, telemetry.*, registry.*) are the
+#: reader's own (`--set`), never a file's: a shared reproduction file that named data.source or telemetry.mlflow
+#: would point every reader's run at another bucket or make it contact that host.
+SETTING_SECTIONS = ("partition", "model", "method", "train", "eval")
+CONFIG_PATH = r"^((" + "|".join(SETTING_SECTIONS) + r")(\.[a-z_][a-z0-9_]*)+|data\.dataset)$"
+NOT_SETTINGS = ("train.init_from",)  # under a setting's section, but the reader's: a version of the reader's own line
+NOT_A_SETTING = (f"is not a config path of the paper's setting (under {', '.join(SETTING_SECTIONS)}, like train.rounds, or "
+                 "data.dataset); where the data comes from (data.root, data.source, data.download, ...), how the run executes "
+                 "(engine.*), what it starts from (train.init_from), run.*, telemetry.* and registry.* are set with --set when "
+                 "you run it, never by the file")
 Scalar = str | int | float | bool
 SCORER_MEASURES = {
     "compared_models": re.compile(r"^[a-z][a-z0-9_]{0,31}\.(local|global)$"),
     "personalized": re.compile(r"^personalized_accuracy$"),
 }
 TERM = re.compile(r"^\s*([a-z][a-z0-9_.]{0,63})\s*(?:@\s*(.+))?$")
+
+
+def is_setting(path: str) -> bool:
+    """Whether a reproduction file may set the config path `path` (`SETTING_SECTIONS`)."""
+    return re.match(CONFIG_PATH, path) is not None and path not in NOT_SETTINGS
 
 
 def label(value: object) -> str:
@@ -77,7 +87,7 @@ class Axis(Section):
     """A row or column of the paper's table that changes the run: a config path and its values (`key`,
     `values`), or named sets of config values (`sets`, e.g. one per method)."""
 
-    key: str | None = Field(None, pattern=CONFIG_PATH)
+    key: str | None = Field(None, max_length=200)
     values: list[Scalar] = Field(default_factory=list, max_length=MAX_AXIS_VALUES)
     sets: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=MAX_AXIS_VALUES)
     cite: str = Field(min_length=1, max_length=MAX_TEXT)
@@ -86,9 +96,11 @@ class Axis(Section):
     def _one_form(self) -> Axis:
         if (self.key is None) == (not self.sets) or (self.key is not None) != bool(self.values):
             raise ValueError("an axis is either `key` with a list of `values`, or `sets` of config values by label")
+        if self.key is not None and not is_setting(self.key):
+            raise ValueError(f"key {self.key!r} {NOT_A_SETTING}")
         for name, values in self.sets.items():
             for path in values:
-                if not re.match(CONFIG_PATH, path):
+                if not is_setting(path):
                     raise ValueError(f"set {name!r}: {path!r} {NOT_A_SETTING}")
         return self
 
@@ -199,7 +211,7 @@ class Reproduction(Section):
     @classmethod
     def _paths(cls, v: dict[str, Cited]) -> dict[str, Cited]:
         for path in v:
-            if not re.match(CONFIG_PATH, path):
+            if not is_setting(path):
                 raise ValueError(f"{path!r} {NOT_A_SETTING}")
         return v
 
@@ -215,7 +227,7 @@ class Reproduction(Section):
         for i, extra in enumerate(self.specific):
             _check_point(extra.point(), labels, f"specific[{i}]", complete=False)
             for path in extra.set:
-                if not re.match(CONFIG_PATH, path):
+                if not is_setting(path):
                     raise ValueError(f"specific[{i}]: {path!r} {NOT_A_SETTING}")
         measures = {c.measure for c in self.cells}
         for i, claim in enumerate(self.claims):

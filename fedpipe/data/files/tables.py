@@ -214,19 +214,27 @@ def _is_string(t: pa.DataType) -> bool:
 
 
 def _numbers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 values, True where a text value is not a number); nulls and bad text are NaN."""
+    """(float64 values, True where a text value is not a number); nulls and bad text are NaN. Nothing is expanded
+    or copied whole: a dictionary-encoded column's distinct values are parsed once and spread to its rows (a 1 MB
+    text on 1,500 rows decoded was 1.5 GB, and its trimmed copy and Python list as much again), and text that
+    is no plain number is parsed a value at a time."""
+    if pa.types.is_dictionary(col.type) and len(col.dictionary) <= len(col):
+        values, bad = _numbers(col.dictionary)
+        index = pc.fill_null(col.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+        values, bad = np.append(values, np.nan), np.append(bad, False)  # index -1 (a missing value): NaN, reported so
+        return values[index], bad[index]
     if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
+        col = col.dictionary_decode()  # a slice of a large dictionary's column: its own values only
     not_number = np.zeros(len(col), dtype=bool)
     if _is_number(col.type):
         return pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), not_number
-    col = pc.utf8_trim_whitespace(col)
     try:
         return pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False), not_number
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
     values = np.full(len(col), np.nan)
-    for i, v in enumerate(col.to_pylist()):  # slow path: only a batch holding text that is not a number
+    for i, scalar in enumerate(col):  # slow path, one value at a time: text that is not a plain number (or padded)
+        v = scalar.as_py()
         if v is not None:
             try:
                 values[i] = float(v)
