@@ -141,11 +141,13 @@ def layers_dot() -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def screenshot(html: Path, width: int = 1100, height: int = 960) -> bytes:
-    """`html` as headless Chromium shows it, a PNG of width x height pixels."""
+def screenshot(html: Path, width: int = 1100, height: int = 960, scripts_ms: int = 0) -> bytes:
+    """`html` as headless Chromium shows it, a PNG of width x height pixels; `scripts_ms`: first give the page's
+    scripts that much (virtual) time, for a page that renders in the browser (the site's math)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "shot.png"
-        cmd = [tool("chromium"), *CHROMIUM_FLAGS, f"--user-data-dir={tmp}/profile", f"--window-size={width},{height}",
+        wait = [f"--virtual-time-budget={scripts_ms}"] if scripts_ms else []
+        cmd = [tool("chromium"), *CHROMIUM_FLAGS, *wait, f"--user-data-dir={tmp}/profile", f"--window-size={width},{height}",
                f"--screenshot={out}", html.resolve().as_uri()]
         done = subprocess.run(cmd, capture_output=True, timeout=120)
         if not out.exists():

@@ -20,7 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import docs_pictures  # noqa: E402
 import gen_docs  # noqa: E402
+
+#: Where the tests leave what a person may want to look at (the SuPerFed page's screenshot): build/ is not tracked
+OUTPUT = ROOT / "build" / "test-output"
 
 
 def build(config: Path, site: Path) -> subprocess.CompletedProcess:
@@ -55,6 +59,47 @@ def test_the_site_builds_strict_with_its_pictures(tmp_path: Path):
     for name in ("superfed_mm", "fedmoe", "ifca"):
         svg = (site / f"images/pipelines/{name}.svg").read_text()
         assert "<svg" in svg and "evaluate" in svg
+
+
+def rendered_dom(page: Path) -> str:
+    """`page` as headless Chromium holds it after its scripts ran (KaTeX renders the math in the browser)."""
+    with __import__("tempfile").TemporaryDirectory() as profile:
+        done = subprocess.run([docs_pictures.tool("chromium"), *docs_pictures.CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                               "--virtual-time-budget=10000", "--dump-dom", page.resolve().as_uri()],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "</html>" in done.stdout, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_method_pages_render_their_equations_offline(tmp_path: Path):
+    """Every method page shows its rules as numbered equations, rendered by the KaTeX the site serves itself: every
+    displayed equation becomes KaTeX's output in a browser that has no network (no CDN), none is an error, and each
+    equation has the code that computes it named beside it. The SuPerFed page is photographed into build/test-output/."""
+    done = build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    site = tmp_path / "site"
+    for asset in ("assets/katex/katex.min.js", "assets/katex/katex.min.css", "assets/katex/contrib/auto-render.min.js",
+                  "assets/katex/fonts/KaTeX_Main-Regular.woff2", "assets/katex/LICENSE", "assets/javascripts/math.js"):
+        assert (site / asset).is_file(), asset
+    for family in gen_docs.FAMILIES:
+        page = site / "methods" / f"{family}.html"
+        html = page.read_text()
+        # the renderer comes from the site itself: no script or stylesheet from elsewhere
+        assert not re.search(r'<(?:script[^>]*src|link[^>]*href)="(?:https?:)?//', html), family
+        assert "assets/katex/katex.min.js" in html, family
+        shown = html.count('<div class="arithmatex">')
+        tags = len(re.findall(r"\\tag\{", html))
+        assert shown >= 3 and tags >= 3, (family, shown, tags)  # update rule, aggregation, personalization at least
+        dom = rendered_dom(page)
+        assert dom.count('class="katex-display"') == shown, (family, dom.count('class="katex-display"'), shown)
+        assert "katex-error" not in dom, re.findall(r'katex-error[^>]*title="([^"]*)"', dom)
+        assert dom.count('class="katex-tag"') == tags, family  # each equation's number is shown
+        assert "fedpipe: <code>fedpipe/" in html, family  # the code beside the equations
+    shot = docs_pictures.screenshot(site / "methods" / "superfed.html", width=1200, height=2200, scripts_ms=10000)
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n"
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    (OUTPUT / "superfed-equations.png").write_bytes(shot)
 
 
 def break_link(site: Path) -> str:
