@@ -188,3 +188,28 @@ def test_the_readme_is_about_one_screen_and_links_into_the_site():
     assert "make run    # sets up .venv" in readme and "make test   # sets up .venv with the test tools" in readme
     for target in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / target).is_file(), target
+
+
+def test_the_pipeline_pictures_label_branches_by_engine_mode_not_by_the_compilers_names():
+    import yaml
+
+    for name in ("superfed_mm", "fedmoe", "ifca"):
+        spec = next(yaml.safe_load_all((ROOT / "pipelines" / f"{name}.yaml").read_text()))
+        dot = docs_pictures.pipeline_dot(spec)
+        assert "condition-" in (ROOT / "pipelines" / f"{name}.yaml").read_text()  # the compiler's names are there...
+        assert not re.search(r"condition-(?:branches-)?\d", dot), name  # ...and nowhere in the picture, titles included
+        assert 'label="engine_mode = simulation"' in dot and 'label="engine_mode = federation"' in dot, name
+        # the arrows from config reach the first task of each branch, not a box named after a sub-DAG
+        assert '"resolve-config" -> "branches-0/simulation/partition";' in dot, dot
+        assert re.search(r'"resolve-config" -> "branches-0/federation/[^"]+";', dot), dot
+        boxes = re.findall(r'^"([^"]+)" \[label=', dot, flags=re.M)
+        assert not [b for b in boxes if b.endswith(("/simulation", "/federation"))], boxes
+
+
+def test_a_condition_the_pictures_cannot_name_stops_the_build():
+    import yaml
+
+    spec = next(yaml.safe_load_all((ROOT / "pipelines" / "fedavg.yaml").read_text()))
+    text = yaml.safe_dump(spec).replace("pipelinechannel--resolve-config-Output", "pipelinechannel--some-task-Output")
+    with pytest.raises(RuntimeError, match="name what it means in CONDITION_VALUES"):
+        docs_pictures.pipeline_dot(yaml.safe_load(text))
