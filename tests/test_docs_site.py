@@ -213,3 +213,16 @@ def test_a_condition_the_pictures_cannot_name_stops_the_build():
     text = yaml.safe_dump(spec).replace("pipelinechannel--resolve-config-Output", "pipelinechannel--some-task-Output")
     with pytest.raises(RuntimeError, match="name what it means in CONDITION_VALUES"):
         docs_pictures.pipeline_dot(yaml.safe_load(text))
+
+
+def test_one_way_to_register_a_site_everywhere():
+    """The docs and `fedpipe site keygen`'s advice register a site one way, `fedpipe federation register`; Flower's own
+    `flwr supernode register NAME.pub <connection>` (a connection the docs never explain) is not offered beside it."""
+    raw = re.compile(r"flwr supernode register \S+\.pub")
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if "default-run" not in p.parts]
+    offered = [f"{p.relative_to(ROOT)}:{n}" for p in pages for n, line in enumerate(p.read_text().splitlines(), 1)
+               if raw.search(line)]
+    assert not offered, offered
+    site_cli = (ROOT / "fedpipe" / "cli" / "site.py").read_text()
+    assert not raw.search(site_cli) and "the operator runs `fedpipe federation register" in site_cli
+    assert "fedpipe federation register hospital-a.pub --superlink" in (ROOT / "docs" / "federation.md").read_text()
