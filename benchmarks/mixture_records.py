@@ -1,7 +1,7 @@
 """Turn benchmarks/mixture.py outputs (mixture.json, e.g. the paper-budget queue's runs/<select>/p<P>_s<S>/) into
 records of a reproduction (runs.jsonl lines for `fedpipe reproduce NAME --records FILE`).
 
-    .venv/bin/python benchmarks/mixture_records.py /work/repro-runs/runs/*/*/mixture.json > fedmoe_records.jsonl
+    .venv/bin/python benchmarks/mixture_records.py RUNS/*/*/mixture.json > fedmoe_records.jsonl
     .venv/bin/fedpipe reproduce fedmoe_table1_fashion_mnist --report-only --records fedmoe_records.jsonl \\
         --out benchmarks/results/reproductions/fedmoe_table1_fashion_mnist                     # the paper's setting
     .venv/bin/fedpipe reproduce fedmoe_table1_fashion_mnist --report-only --records fedmoe_records.jsonl \\

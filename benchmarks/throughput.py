@@ -21,7 +21,7 @@ Reported: training samples/s, seconds per round, achieved model GFLOP/s (FLOPs o
 backward per sample counted with torch.utils.flop_counter, times samples/s) and its fraction of
 this machine's float32 matmul peak (2048x2048, all threads, best of 5), measured in the same run.
 
-The peer table repeats the setting of ../shared/reference/peers.md (mnist5k, 20 clients, pathological,
+The peer table repeats the peers' setting (docs/speed/index.md, "The peers' setting": mnist5k, 20 clients, pathological,
 ~200 training samples each, McMahan et al.'s CNN, batch 10, 5 local epochs, lr 0.01, every client
 every round) for FedAvg and SuPerFed-MM Phase II, plus a bare PyTorch loop over the same data to
 show how fast this machine is against the one the peers were measured on.
@@ -46,7 +46,7 @@ WAYS = {
     "batched": ["engine.clients=batched", "engine.processes=1"],
     "2-process": ["engine.clients=sequential", "engine.processes=2", "run.threads=1"],
 }
-PEERS = {  # ../shared/reference/peers.md, training samples/s on a 2-core machine of this kind
+PEERS = {  # the peers' setting (docs/speed/index.md), training samples/s on a 2-core machine of this kind
     "PFLlib FedAvg": 1820,
     "Flower 1.41, num-cpus 1 per client (best run)": 3130,
     "SuPerFed official Phase II, as shipped": 205,
@@ -217,7 +217,7 @@ def write(args, rows: list[dict], peer_rows: list[dict], peak: float, threads: i
                 ratios = [_ratio(cells, (model, batch, clients), w) for w in ("batched", "2-process")]
                 lines.append(f"| {model} | {batch} | {clients} | " + " | ".join(parts) + f" | {ratios[0]} | {ratios[1]} |")
     if peer_rows:
-        lines += ["", "Peer setting (../shared/reference/peers.md): mnist5k, 20 clients pathological, ~200 training samples each, "
+        lines += ["", "Peer setting (docs/speed/index.md, \"The peers' setting\"): mnist5k, 20 clients pathological, ~200 training samples each, "
                   "McMahan et al.'s CNN, batch 10, 5 local epochs, lr 0.01, every client every round.", "",
                   "| run | samples/s | s/round | vs PFLlib FedAvg (1,820) | vs Flower best (3,130) | vs SuPerFed official as shipped (205) | vs official, debug off (500) |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -79,11 +79,17 @@ def partition_heatmap(partition: Partition, labels: np.ndarray, path: str | Path
 def census_heatmap(census: dict, path: str | Path) -> Path:
     """A federation's partition heatmap, drawn from its census (`fedpipe.federation.census`: each site's label counts
     over its train, validation and test splits, as the sites reported them; no sample left a site). Returns `path`."""
+    return _save(census_figure(census), path)
+
+
+def census_figure(census: dict) -> Figure:
+    """`census_heatmap`'s figure. Its title is wrapped to the figure's width: a narrow figure (few classes) cut a
+    one-line title off at both edges."""
     sites = census["sites"]
     counts = np.array([np.sum([s["counts"][k] for k in ("train", "val", "test")], axis=0) for s in sites], dtype=np.int64)
     k, c = counts.shape
-    fig = Figure(figsize=(float(np.clip(2.5 + 0.32 * c, 6.0, 18.0)), float(np.clip(1.5 + 0.28 * k, 3.5, 16.0))), dpi=110,
-                 layout="constrained")
+    width = float(np.clip(2.5 + 0.32 * c, 6.0, 18.0))
+    fig = Figure(figsize=(width, float(np.clip(1.5 + 0.28 * k, 3.5, 16.0))), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     _draw_counts(fig, ax, counts, tuple(census.get("labels", ())))
@@ -92,9 +98,18 @@ def census_heatmap(census: dict, path: str | Path) -> Path:
     ax.set_ylabel("site")
     _annotate_counts(ax, counts)
     held = sum(int(np.sum(s["counts"]["holdout"])) for s in sites)
-    fig.suptitle(f"federation census: {k} sites, {c} classes (counts the sites reported; {held:,} samples held out "
-                 "at the sites as the global test set)", fontsize=10)
-    return _save(fig, path)
+    title = (f"federation census: {k} sites, {c} classes (counts the sites reported; {held:,} samples held out "
+             "at the sites as the global test set)")
+    fig.suptitle(_wrapped(title, width, fontsize=10), fontsize=10)
+    return fig
+
+
+def _wrapped(text: str, width_inches: float, fontsize: float) -> str:
+    """`text` broken into lines that fit a figure `width_inches` wide at `fontsize` points (DejaVu Sans averages
+    about 0.6 em per character; the margin leaves room for the widest lines)."""
+    import textwrap
+
+    return textwrap.fill(text, width=max(20, int(width_inches * 72 / (0.6 * fontsize) * 0.9)))
 
 
 def _draw_counts(fig: Figure, ax, counts: np.ndarray, class_names: tuple[str, ...] = ()) -> None:
@@ -413,6 +428,12 @@ def federated_rounds(rounds: list[dict], path: str | Path, title: str | None = N
     """A federated run per round (rounds.jsonl of `fedpipe.federation.server_app`): the sites' mean training loss, how
     many sites answered and how many failed (timed out, errored, or had their upload refused), and the megabytes up
     and down, with the phases named over the rounds they ran."""
+    return _save(rounds_figure(rounds, title), path)
+
+
+def rounds_figure(rounds: list[dict], title: str | None = None) -> Figure:
+    """`federated_rounds`' figure. The megabytes' axis starts at 0 and shows plain values (no offset): the same
+    upload every round is a flat line at its size, not a line wandering over 0.442-0.443 MB."""
     fig = Figure(figsize=(8, 6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_sites, ax_bytes = fig.subplots(3, 1, sharex=True, height_ratios=[2, 1, 1])
@@ -427,6 +448,9 @@ def federated_rounds(rounds: list[dict], path: str | Path, title: str | None = N
     ax_bytes.plot(xs, [r["bytes_up"] / 1e6 for r in rounds], "-^", markersize=3, label="up")
     ax_bytes.plot(xs, [r["bytes_down"] / 1e6 for r in rounds], "-v", markersize=3, label="down")
     ax_bytes.set_ylabel("MB")
+    most = max([r["bytes_up"] / 1e6 for r in rounds] + [r["bytes_down"] / 1e6 for r in rounds] + [0.0])
+    ax_bytes.set_ylim(0, most * 1.25 if most > 0 else 1.0)
+    ax_bytes.ticklabel_format(axis="y", style="plain", useOffset=False)
     ax_bytes.set_xlabel("round")
     ax_bytes.legend(loc="upper right", fontsize=8)
     for a in (ax_loss, ax_sites, ax_bytes):
@@ -440,5 +464,5 @@ def federated_rounds(rounds: list[dict], path: str | Path, title: str | None = N
             a.axvspan(min(rs) - 0.5, max(rs) + 0.5, color=f"C{i}", alpha=0.06, lw=0)
         ax_loss.text((min(rs) + max(rs)) / 2, 0.97, name, ha="center", va="top", fontsize=8, color="dimgray",
                      transform=ax_loss.get_xaxis_transform())
-    fig.suptitle(title or "federated rounds", fontsize=11)
-    return _save(fig, path)
+    fig.suptitle(_wrapped(title or "federated rounds", 8, fontsize=11), fontsize=11)
+    return fig

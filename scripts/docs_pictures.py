@@ -1,6 +1,7 @@
 """The site's pictures, drawn while it builds (never committed), each from what the repository holds:
 
-- images/pipelines/<name>.svg: each compiled pipeline (pipelines/*.yaml) as its DAG, by Graphviz's `dot`;
+- images/pipelines/<name>.svg: each compiled pipeline (pipelines/*.yaml) as its DAG, by Graphviz's `dot`, each
+  condition's branch labelled by what it means (`engine_mode = federation`), not by the compiler's names;
 - images/layers.svg: the library's layers, from the table tests/test_architecture.py enforces;
 - images/default-run/report.png: the default run's HTML report (docs/default-run/report.html, what the
   evaluate task writes for the Kubeflow UI) as a browser shows it, by headless Chromium;
@@ -12,6 +13,7 @@ Graphviz and Chromium are Debian packages (scripts/test-services.sh installs the
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import tempfile
@@ -68,40 +70,85 @@ def _reduced(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
     return {(a, b) for a, b in edges if not reachable_without(a, b)}
 
 
+#: What a condition's value means, by the task output it tests (`<producer task>-<output>` as the compiled IR's pipeline
+#: channel names it): resolve-config's Output is the run's engine mode (pipelines/builder.py, dsl.If / dsl.Else).
+CONDITION_VALUES = {"resolve-config-Output": "engine_mode"}
+#: The names the KFP compiler gives a condition's sub-DAGs (condition-2, condition-branches-1): never shown
+COMPILER_NAME = re.compile(r"^condition-(?:branches-)?\d+$")
+
+
+def _condition_subject(component: dict, task: dict) -> str:
+    """What a condition (or a group of If / Elif / Else branches) tests, in the pipeline's words: engine_mode."""
+    texts = [t.get("triggerPolicy", {}).get("condition", "") for t in component["dag"]["tasks"].values()]
+    texts.append(task.get("triggerPolicy", {}).get("condition", ""))
+    channels = {m for text in texts for m in re.findall(r"pipelinechannel--([\w-]+)", text)}
+    if len(channels) != 1 or next(iter(channels)) not in CONDITION_VALUES:
+        raise RuntimeError(f"a condition of the pipeline tests {sorted(channels) or 'nothing known'}: name what it means in "
+                           "CONDITION_VALUES (scripts/docs_pictures.py), so that its picture shows that, not the compiler's names")
+    return CONDITION_VALUES[next(iter(channels))]
+
+
+def _cluster_label(component: dict, task: dict) -> str:
+    """A sub-DAG's label by what it means: `engine_mode = simulation` for a condition's branch (the branch's name,
+    as the pipeline names it), `engine_mode: one branch runs` for a group of branches, or the ParallelFor."""
+    if "parameterIterator" in task:
+        return "ParallelFor: one task per item"
+    name = task["taskInfo"]["name"]
+    if "triggerPolicy" in task:  # a branch: dsl.If / Elif / Else, named by the builder
+        if COMPILER_NAME.match(name):
+            raise RuntimeError(f"a condition's branch has only the compiler's name {name!r}: give it one (dsl.If(..., name=...))")
+        return f"{_condition_subject(component, task)} = {name}"
+    if COMPILER_NAME.match(name):  # the group of an If's branches
+        return f"{_condition_subject(component, task)}: one branch runs"
+    return name
+
+
 def pipeline_dot(spec: dict) -> str:
     """The DAG of a compiled KFP pipeline (IR YAML) in Graphviz's language: a box per task, GPU training tasks
-    filled, a ParallelFor as a dashed cluster of its tasks."""
+    filled, a ParallelFor as a dashed cluster of its tasks, a condition's branch as a dashed cluster labelled by what
+    it means (`engine_mode = federation`). The compiler's names of conditions (condition-branches-1) appear nowhere,
+    not even in the SVG's hidden titles."""
     gpu = {name for name, ex in spec["deploymentSpec"]["executors"].items() if "accelerator" in ex["container"].get("resources", {})}
     lines = ["digraph pipeline {", "rankdir=LR; bgcolor=transparent; nodesep=0.25; ranksep=0.35;",
              'node [shape=box, style="rounded,filled", fillcolor="#eef2f7", color="#5c6b7a", fontname="DejaVu Sans", fontsize=11];',
              'edge [color="#5c6b7a", arrowsize=0.7];']
     edges: set[tuple[str, str]] = set()
     ends: dict[str, tuple[list[str], list[str]]] = {}  # a sub-DAG's node -> (its first tasks, its last tasks)
+    shown: dict[str, str] = {}  # a node's path in the IR -> its name in the picture (branch names for condition names)
 
-    def add(dag: dict, prefix: str, depth: int) -> None:
+    def add(dag: dict, prefix: str, shown_prefix: str, depth: int) -> None:
         for name, task in sorted(dag["tasks"].items()):
             node = prefix + name
             component = spec["components"][task["componentRef"]["name"]]
             for dep in task.get("dependentTasks", ()):
                 edges.add((prefix + dep, node))
             if "dag" in component:
-                label = "ParallelFor: one task per item" if "parameterIterator" in task else task["taskInfo"]["name"]
-                lines.append(f'subgraph "cluster_{node}" {{ label={_quote(label)}; style=dashed; color="#8a96a3"; fontname="DejaVu Sans"; fontsize=10;')
-                add(component["dag"], node + "/", depth + 1)
+                label = _cluster_label(component, task)
+                inner = task["taskInfo"]["name"] if not COMPILER_NAME.match(task["taskInfo"]["name"]) else f"branches-{depth}"
+                shown[node] = shown_prefix + inner
+                lines.append(f'subgraph {_quote("cluster_" + shown[node])} {{ label={_quote(label)}; style=dashed; color="#8a96a3"; fontname="DejaVu Sans"; fontsize=10;')
+                add(component["dag"], node + "/", shown[node] + "/", depth + 1)
                 lines.append("}")
-                inner = component["dag"]["tasks"]
-                needed = {d for t in inner.values() for d in t.get("dependentTasks", ())}
-                ends[node] = ([f"{node}/{n}" for n, t in inner.items() if not t.get("dependentTasks")],
-                              [f"{node}/{n}" for n in inner if n not in needed])
+                inner_tasks = component["dag"]["tasks"]
+                needed = {d for t in inner_tasks.values() for d in t.get("dependentTasks", ())}
+                ends[node] = ([f"{node}/{n}" for n, t in inner_tasks.items() if not t.get("dependentTasks")],
+                              [f"{node}/{n}" for n in inner_tasks if n not in needed])
                 continue
             executor = component.get("executorLabel", "")
             style = ', fillcolor="#d7ecd9", color="#3b7d45"' if executor in gpu else ""
             label = task["taskInfo"]["name"] + ("\\n(training, GPU)" if executor in gpu else "")
-            lines.append(f'{_quote(node)} [label="{label}"{style}];')
+            shown[node] = shown_prefix + name
+            lines.append(f'{_quote(shown[node])} [label="{label}"{style}];')
 
-    add(spec["root"]["dag"], "", 0)
-    edges = {(x, y) for a, b in edges for x in ends.get(a, ([], [a]))[1] for y in ends.get(b, ([b], []))[0]}
-    lines += [f"{_quote(a)} -> {_quote(b)};" for a, b in sorted(_reduced(edges))]
+    def firsts(node: str) -> list[str]:  # the tasks an arrow into `node` reaches, through nested sub-DAGs
+        return [t for inner in ends[node][0] for t in firsts(inner)] if node in ends else [node]
+
+    def lasts(node: str) -> list[str]:  # the tasks an arrow out of `node` leaves from
+        return [t for inner in ends[node][1] for t in lasts(inner)] if node in ends else [node]
+
+    add(spec["root"]["dag"], "", "", 0)
+    edges = {(x, y) for a, b in edges for x in lasts(a) for y in firsts(b)}
+    lines += [f"{_quote(shown[a])} -> {_quote(shown[b])};" for a, b in sorted(_reduced(edges))]
     return "\n".join(lines + ["}"]) + "\n"
 
 
@@ -141,11 +188,13 @@ def layers_dot() -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def screenshot(html: Path, width: int = 1100, height: int = 960) -> bytes:
-    """`html` as headless Chromium shows it, a PNG of width x height pixels."""
+def screenshot(html: Path, width: int = 1100, height: int = 960, scripts_ms: int = 0) -> bytes:
+    """`html` as headless Chromium shows it, a PNG of width x height pixels; `scripts_ms`: first give the page's
+    scripts that much (virtual) time, for a page that renders in the browser (the site's math)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "shot.png"
-        cmd = [tool("chromium"), *CHROMIUM_FLAGS, f"--user-data-dir={tmp}/profile", f"--window-size={width},{height}",
+        wait = [f"--virtual-time-budget={scripts_ms}"] if scripts_ms else []
+        cmd = [tool("chromium"), *CHROMIUM_FLAGS, *wait, f"--user-data-dir={tmp}/profile", f"--window-size={width},{height}",
                f"--screenshot={out}", html.resolve().as_uri()]
         done = subprocess.run(cmd, capture_output=True, timeout=120)
         if not out.exists():

@@ -5,8 +5,10 @@
                              the same field docstrings `fedpipe config --explain` prints);
 - docs/reference/cli.md      every command and its options (the commands' own --help text);
 - docs/methods/index.md      the methods table (the method registry), around docs/templates/methods.md;
-- docs/methods/<family>.md   one page per family: each method's paper, equations (its file's docstring),
-                             phases, upload, privacy, options and pipeline;
+- docs/methods/<family>.md   one page per family: its equations with the paper's numbers, each beside the code
+                             that computes it (docs/templates/methods/<family>.md, `{{ code module:name }}`
+                             checked to exist), then each method's paper, its file's docstring, phases,
+                             upload, privacy, options and pipeline;
 - docs/speed/benchmarks.md   docs/templates/benchmarks.md with the tables of benchmarks/results/ put in;
 - docs/speed/results.md      every file of benchmarks/results/, whole;
 - docs/architecture.md       ARCHITECTURE.md, with the layer picture.
@@ -340,6 +342,27 @@ def method_section(name: str) -> str:
     return out
 
 
+def code_reference(spec: str, where: str = "docs/templates/methods") -> str:
+    """`{{ code module:Name.attr }}` in a method's template: the file and the name of the code that computes an
+    equation, checked to exist, so that a renamed function stops the generator instead of leaving the page wrong."""
+    import importlib
+
+    module_name, _, qualname = spec.strip().partition(":")
+    path = Path(*module_name.split(".")).with_suffix(".py")
+    if not (ROOT / path).is_file():
+        raise SystemExit(f"{where}: {{{{ code {spec} }}}} names {path}, which does not exist")
+    target = importlib.import_module(module_name)
+    for part in qualname.split(".") if qualname else ():
+        if not hasattr(target, part):
+            raise SystemExit(f"{where}: {{{{ code {spec} }}}}: {module_name} has no {qualname}")
+        target = getattr(target, part)
+    return f"`{path}`" + (f", `{qualname}`" if qualname else "")
+
+
+def fill_code_references(text: str, where: str) -> str:
+    return re.sub(r"\{\{ code (\S+?) \}\}", lambda m: code_reference(m.group(1), where), text)
+
+
 def family_page(family: str) -> Callable[[], str]:
     def page() -> str:
         title, methods = FAMILIES[family]
@@ -347,7 +370,8 @@ def family_page(family: str) -> Callable[[], str]:
         out = header("the method registry and each method's file (fedpipe/algorithms/)"
                      + (f" and docs/templates/methods/{family}.md" if intro.exists() else ""))
         out += f"# {title}\n\n"
-        out += intro.read_text().strip() + "\n\n" if intro.exists() else ""
+        if intro.exists():
+            out += fill_code_references(intro.read_text(), f"docs/templates/methods/{family}.md").strip() + "\n\n"
         return out + "".join(method_section(m) for m in methods)
 
     return page

@@ -2,7 +2,8 @@
 
 - a generated page (scripts/gen_docs.py) that differs from what the code generates now is a warning, so
   `mkdocs build --strict` fails on it, naming the page and the command that rewrites it;
-- the pictures (scripts/docs_pictures.py) are drawn and added to the site as files, never written into docs/.
+- the pictures (scripts/docs_pictures.py) are drawn and added to the site as files, never written into docs/;
+- the build says which MkDocs and theme built it (docs/docs.md, "The theme").
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ import gen_docs  # noqa: E402
 
 # under "mkdocs": MkDocs counts this logger's warnings, and --strict fails the build on them
 log = logging.getLogger("mkdocs.hooks.fedpipe")
+
+
+def on_startup(command, dirty, **kwargs) -> None:
+    """Say what builds the site: MkDocs and Material for MkDocs, pinned; Zensical not adopted yet (docs/docs.md)."""
+    from importlib.metadata import version
+
+    log.info(f"fedpipe's site: MkDocs {version('mkdocs')} with Material for MkDocs {version('mkdocs-material')} "
+             "(pinned below 10; Zensical, Material's successor, not adopted yet: docs/docs.md, 'The theme')")
 
 
 def on_pre_build(config, **kwargs) -> None:

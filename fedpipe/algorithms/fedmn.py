@@ -1,6 +1,7 @@
 """FedMN (Wang et al., "Personalized Federated Learning via Heterogeneous Modular Networks", arXiv
-2210.14830, 2022). Only two pages of the paper survive; what they leave out comes from the official
-code as restated in ../shared/reference/fedmn.md, without its quirks.
+2210.14830, 2022). The paper's Section II (Eq. 1-3) gives the model and the objective; what it leaves out
+comes from the authors' code (xztcwang/FedMN: PolicyNet/policy_net.py, utils/averaging.py, utils/args.py),
+written out in docs/methods/fedmn.md, without its quirks.
 
 A pool of modular units (fedpipe/nn/modular.py: n_1 encoders, then MLP units; E = sum_l n_l n_{l+1} + n_L
 path variables, Section II-A) is shared by all clients. Each client's routing hypernetwork reads its

@@ -29,8 +29,8 @@ paper's behaviour is the named option `train.optimizer: adam` with `train.lr: 5e
 set exactly these).
 
 Eq. 6 mixes the experts' outputs, their softmax probabilities (`mixture: probabilities`, the default);
-the authors' code mixes log-probabilities instead, a geometric mixture (`mixture: log_probabilities`,
-reference/fedmoe.md). Either way `forward` returns log-probabilities, which are valid logits: softmax
+the authors' code mixes log-probabilities instead, a geometric mixture (`mixture: log_probabilities`;
+the authors' models/ClientUpdate.py, `train_mix`, weights the log-softmax outputs under an NLL loss). Either way `forward` returns log-probabilities, which are valid logits: softmax
 gives back the mixture (normalised, for the geometric one), so evaluation, cross-entropy and
 calibration treat the mixture as any other model.
 

@@ -19,7 +19,7 @@ def proximal_squared(params: Params, anchor: Params) -> torch.Tensor:
 
 def proximal_layer_norms(params: Params, anchor: Params, names: Iterable[str]) -> torch.Tensor:
     """Sum over layers of ||w_l - w_l^t||_2 (not squared): the proximity term of SuPerFed's official
-    code (Hahn et al. 2022, Eq. 3, as restored in reference/superfed.md), one norm per tensor in `names`
+    code (Hahn et al. 2022, Eq. 3, as the official src/algorithm.py's superfed_update computes it), one norm per tensor in `names`
     (the mixed tensors of `mixable_layers`)."""
     return torch.stack([torch.linalg.vector_norm(params[n] - anchor[n]) for n in names]).sum()
 
@@ -28,7 +28,7 @@ def squared_cosine(a: Params, b: Params, names: Iterable[str]) -> torch.Tensor:
     """cos^2 of the concatenated vectors: (sum_l <a_l, b_l>)^2 / (sum_l ||a_l||^2 * sum_l ||b_l||^2).
 
     SuPerFed's orthogonality term (Eq. 3). The official code adds 1e-6 per element inside the dot
-    product; that quirk is left out (reference/superfed.md).
+    product; that quirk is left out (docs/methods/superfed.md).
     """
     names = list(names)
     dot = torch.stack([(a[n] * b[n]).sum() for n in names]).sum()

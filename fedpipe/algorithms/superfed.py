@@ -2,8 +2,9 @@
 arXiv title "Subspace Learning for Personalized Federated Optimization").
 
 Every client holds a federated model w_g and a local model w_l of one architecture, and trains the
-weight-space mixture w(lam) = (1 - lam) w_g + lam w_l (Eq. 3; the formulas lost from the paper copy
-are restored in ../shared/reference/superfed.md from the official code):
+weight-space mixture w(lam) = (1 - lam) w_g + lam w_l (Sec. "Proposed Method", Eq. 3; where a copy of the
+paper lost its formulas, they are restated from the authors' code, vaseline555/SuPerFed src/algorithm.py
+`superfed_update`, and written out with the paper's equation numbers in docs/methods/superfed.md):
 
 - Phase I, rounds 1 .. floor(L R): lam = 0, w_l frozen; loss = CE(w_g) + mu * prox.
 - Phase II, later rounds: lam ~ U(0, 1) per mini-batch, one for the whole model (Model Mixing, MM) or
@@ -130,7 +131,7 @@ class SuPerFedMM(Algorithm):
         "lam is chosen per client on its validation split (the official code picks it on test data: reported beside "
         "it as the test-oracle lam)",
         "the proximity term is sum_t ||w_g,t - w_g,t^prev||_2 (not squared) and the cos^2 term leaves out the "
-        "official code's +1e-6: both as reference/superfed.md restores Eq. 3 from the official code",
+        "official code's +1e-6: both as the official src/algorithm.py (superfed_update) computes Eq. 3's terms",
         "mu=0.01, start_fraction (L) and nu: the official scripts' values for K = 50 clients (MM: L=0.6, nu=1; "
         "LM: L=0.8, nu=2), not tuned per run",
     )

@@ -52,15 +52,16 @@ def keygen(name: Annotated[str, typer.Argument(help="The site's name (file names
            ):
     """Make the site's authentication key pair (EC P-384, OpenSSH format, as Flower's SuperNode authentication takes).
 
-    Send NAME.pub to the federation's operator, who registers it with `flwr supernode register NAME.pub CONNECTION`;
-    only registered keys may join. Keep NAME.key at the site (mode 600)."""
+    Send NAME.pub to the federation's operator, who registers it with `fedpipe federation register NAME.pub
+    --superlink HOST:PORT --root-certificates ca.crt`; only registered keys may join. Keep NAME.key at the site
+    (mode 600)."""
     from fedpipe.federation.certs import make_site_key
 
     out.mkdir(parents=True, exist_ok=True)
     private, public = make_site_key(out, name)
     typer.echo(f"wrote {private} (private: keep it here) and {public}")
-    typer.echo(f"next: the operator runs `flwr supernode register {public.name} <connection>`; then `fedpipe site join "
-               f"--key {private} ...` here")
+    typer.echo(f"next: the operator runs `fedpipe federation register {public.name} --superlink HOST:PORT "
+               f"--root-certificates ca.crt`; then `fedpipe site join --key {private} ...` here")
 
 
 @site_app.command("join")

@@ -229,8 +229,8 @@ class RoutingHypernetwork(nn.Module):
     so a 28x28 image gives 7x7 maps; ReLU; linear to `feature_dim`, ReLU; for a table's rows (F,): linear
     to `feature_dim`, ReLU) concatenated with an embedding of y (one-hot through a
     linear layer without bias, `label_dim`), L2-normalised; the summary is the mean of those vectors
-    over the client's samples; a linear layer maps it to E logits (official code, restated in
-    ../shared/reference/fedmn.md). The router runs
+    over the client's samples; a linear layer maps it to E logits (the authors' PolicyNet/policy_net.py,
+    as docs/methods/fedmn.md states it). The router runs
     over the client's whole training set for every batch, so it is kept small: it needs a summary of
     the data's distribution, not the detail a classifier needs.
     """

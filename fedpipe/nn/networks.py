@@ -105,8 +105,8 @@ class LeNet5(nn.Module):
 class McMahanCNN(nn.Module):
     """The MNIST CNN of McMahan et al. (2017): conv 32 5x5, pool; conv 64 5x5, pool; fc 512; fc C.
 
-    Bias-free, as in the throughput comparisons of ../shared/reference/peers.md (24.7 MFLOP per
-    28x28 sample, forward and backward).
+    Bias-free, as in the peers' throughput setting (docs/speed/index.md, "The peers' setting": 24.7 MFLOP
+    per 28x28 sample, forward and backward).
     """
 
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int):

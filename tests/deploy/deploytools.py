@@ -19,7 +19,7 @@ MANIFESTS = REPO / "manifests"
 DASHBOARD_JSON = CHART / "dashboards" / "fedpipe.json"
 K8S_VERSION = "1.30.0"
 # The span of the Kubernetes versions under the Kubeflow releases the README supports: 1.30 (ValidatingAdmissionPolicy
-# GA; Kubeflow 1.10's clusters) to 1.34 (the floor of Kubeflow 26.03, ../shared/reference/kubeflow.md)
+# GA; Kubeflow 1.10's clusters) to 1.34 (the floor of Kubeflow 26.03, as kubeflow/manifests' README at tag v26.03 states it)
 K8S_SPAN = ("1.30.0", "1.34.0")
 RELEASE = "fedpipe"
 NAMESPACE = "fedpipe-test"
