@@ -86,8 +86,11 @@ class SiteWorker:
         interceptors = [RuntimeVersionHttpInterceptor(component_name="SuperExec" if token is None else "flwr-clientapp")]
         interceptors.append(RuntimeTokenHttpInterceptor(token) if token is not None else
                             SuperExecAuthHttpInterceptor(master_secret=self.secret, protected_methods={ACQUIRE}))
+        retry = make_simple_http_retry_invoker()
+        if token is None:  # the acquirer does not retry: the loop asks again and meanwhile sees its SuperNode exit
+            retry.max_tries = 1
         return RuntimeHttpClient.from_server_address(server_address=self.runtime_api, insecure=True, root_certificates=None,
-                                                     interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+                                                     interceptors=interceptors, retry_invoker=retry)
 
     def acquire(self, acquirer: RuntimeHttpClient) -> str | None:
         """The token of a pending ClientApp task, or None (none pending, or the SuperNode not answering yet)."""

@@ -156,7 +156,9 @@ def test_a_run_within_the_policies_is_taken_and_the_refusals_reach_the_report(po
 
 
 def _census_site(out: Path, name: str) -> dict:
-    return next(s for s in json.loads((out / "census.json").read_text())["sites"] if s["name"] == name)
+    """The census's entry of the site whose policy is `name` (the census names a site by its client's folder)."""
+    hospital = dict(zip(POLICIES, SITES))[name]
+    return next(s for s in json.loads((out / "census.json").read_text())["sites"] if s["name"] == hospital)
 
 
 def _client_of(out: Path, name: str) -> int:
