@@ -197,3 +197,28 @@ def test_notes_say_what_to_do_next(helm):
 def test_every_value_is_commented_typed_and_in_the_readme():
     assert_values_documented(SITE_CHART, {"commonLabels", "resources", "podSecurityContext", "containerSecurityContext",
                                           "tests.resources", "nodeSelector", "affinity"})
+
+
+def test_the_sites_policy_reaches_both_pods_as_a_file_fedpipe_validates(helm, tmp_path):
+    """`site.policy` becomes a ConfigMap mounted read-only into the site's pod and its helm test pod, and both command
+    lines point `--policy` at it; the rendered file parses as the policy fedpipe runs (a wrong key would stop the site)."""
+    from fedpipe.federation.policy import SitePolicy
+
+    policy = {"methods": ["fedavg"], "privacy": {"required": True, "mode": "local", "max_epsilon": 8.0},
+              "release": {"label_counts": False}, "federations": [{"superlink": "fl.example.org:9092", "run_prefix": "cardio-"}]}
+    docs = render(helm, *REQUIRED, *VOLUME, "--set-json", f"site.policy={__import__('json').dumps(policy)}")
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-policy")]
+    (tmp_path / "policy.yaml").write_text(config_map["data"]["policy.yaml"])
+    rules = SitePolicy.read(tmp_path / "policy.yaml")
+    assert rules.methods == ("fedavg",) and rules.privacy.max_epsilon == 8.0 and not rules.release.label_counts
+    assert rules.serves("fl.example.org:9092") is None
+    for _, pod in _pods(docs):
+        (container,) = pod["containers"]
+        assert str(_parse(container["command"])["policy"]) == "/etc/fedpipe/policy/policy.yaml"
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "policy")
+        assert mount["mountPath"] == "/etc/fedpipe/policy" and mount["readOnly"] is True
+        assert next(v for v in pod["volumes"] if v["name"] == "policy")["configMap"]["name"] == config_map["metadata"]["name"]
+    empty = render(helm, *REQUIRED, *VOLUME)
+    (default,) = [d for d in empty if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-policy")]
+    (tmp_path / "default.yaml").write_text(default["data"]["policy.yaml"])
+    assert SitePolicy.read(tmp_path / "default.yaml") == SitePolicy()
