@@ -34,10 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedpipe.errors import ConfigError
 
-#: the policy file's size limit: a policy is a few dozen lines
-MAX_POLICY_BYTES = 64 * 1024
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -110,20 +106,18 @@ class SitePolicy(_Section):
         """The policy in `path` (YAML), or the defaults when `path` is None. A ConfigError names what is wrong."""
         if path is None:
             return cls()
-        from fedpipe.safe_load import parse_yaml, read_file
+        from fedpipe.config import format_validation_error
+        from fedpipe.safe_load import load_yaml_file
 
-        text = read_file(path, MAX_POLICY_BYTES, "site policy")
-        tree = parse_yaml(text, str(path), "site policy") or {}
+        tree = load_yaml_file(path, "site policy") or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"site policy {path}: expected a mapping of settings (methods, privacy, limits, release, "
                               f"federations), found {type(tree).__name__}")
         try:
             return cls.model_validate(tree)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"site policy {path}: {where}: {first['msg']} (fedpipe site check --policy FILE shows the "
-                              "policy a site runs under; docs/site-admin.md lists every setting)") from None
+            raise ConfigError(f"site policy {path}: {format_validation_error(e)} (`fedpipe site check --policy FILE` shows "
+                              "the policy a site runs under; docs/site-admin.md lists every setting)") from None
 
     # --- the checks ---------------------------------------------------------------------------------
     def serves(self, superlink: str) -> str | None:
