@@ -46,13 +46,21 @@ from pathlib import Path
 
 from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode, SubStatus
-from flwr.proto.runtime_pb2 import AcquireTaskRequest
+from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+from flwr.proto.node_pb2 import Node
+from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullAppMessagesRequest, PullTaskInputRequest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+    make_confirm_message_received_fn_protobuf,
+    make_pull_object_fn_protobuf,
+)
+from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
 from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
 from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
 from fedpipe.federation import client_app, site_log  # torch and fedpipe's ClientApp, imported once, before any task
 from fedpipe.federation.app import AppRefused, check_fab, run_name
@@ -209,6 +217,31 @@ class SiteWorker:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         return reply, {**entry, "decision": "error" if reply.has_error() else "took"}
+
+
+#: a message's content may still be on its way from the SuperLink when its task is handed out (the SuperNode creates
+#: the task first): the first retry comes after 20 ms, doubling up to 0.25 s (Flower's defaults: 1 s up to 10 s, made
+#: for a process that takes longer than that to start)
+PULL_BACKOFF, PULL_BACKOFF_CAP = 0.02, 0.25
+
+
+def pull_task_input(client: RuntimeHttpClient):
+    """The task's (message, context, run, FAB): Flower's own steps (flwr/supernode/runtime/run_clientapp.py,
+    `pull_task_input`: PullTaskInput, PullMessages, then the message's objects inflated from its tree), with shorter
+    waits between the pulls of an object that has not arrived yet (PULL_BACKOFF)."""
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("the SuperNode handed out a task without a message")
+    tree, node = pulled.message_object_trees[0], Node(node_id=context.node_id)
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=PULL_BACKOFF, backoff_cap=PULL_BACKOFF_CAP)
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower does: the tree's head is the message's id
+    return message, context, run, fab
 
 
 def _too_long(signum, frame):
