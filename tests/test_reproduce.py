@@ -6,8 +6,8 @@ reproduction runs end to end (and resumes) on tiny data written in the dataset's
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import numpy as np

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedpipe.errors import ConfigError
 
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
