@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("supernode", nargs=argparse.REMAINDER, help="-- then the SuperNode's options (`tryout.supernode_options`)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fedpipe-site %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per Runtime API call (20 a second while idle)
     policy = SitePolicy.read(a.policy)
     name = policy.name or a.name or a.site_dir.name
     why = policy.serves(a.superlink)
