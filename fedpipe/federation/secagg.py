@@ -46,7 +46,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
 from fedpipe.algorithms.aggregation import uses_weighted_mean
 from fedpipe.algorithms.base import Algorithm, Phase
@@ -95,7 +95,7 @@ def _stage_of(msg: Message) -> str:
 
 class MeteredGrid:
     """The Grid the workflow talks through: the same pushes and pulls, with bytes per stage and node, each node's
-    last error, and (test-only) the audit of every array that reaches the server. Replies are pulled every 0.5 s
+    last error, and (test-only) the audit of every array that reaches the server. Replies are pulled every POLL seconds
     (Flower's own send_and_receive, flwr/superlink/grid/http_grid.py, sleeps 3 s between pulls)."""
 
     def __init__(self, grid: Grid, out: Path):
@@ -106,19 +106,22 @@ class MeteredGrid:
         self.up: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.errors: dict[int, str] = {}
         self.replied: dict[str, set[int]] = defaultdict(set)
+        self.seconds: dict[str, float] = defaultdict(float)  # stage -> seconds from its first push to its last reply
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
-        messages = list(messages)
+        messages, t0 = list(messages), time.monotonic()
         dst: dict[str, int] = {}
         for m in messages:
             self.stage = _stage_of(m)
-            self.down[self.stage][m.metadata.dst_node_id] += message_bytes(m)
         for mid, m in zip(self.grid.push_messages(messages), messages):
             if mid:
                 dst[mid] = m.metadata.dst_node_id
+        with no_object_id_recompute():  # counted after the push, which computed every object's id: each is deflated once here
+            for m in messages:
+                self.down[self.stage][m.metadata.dst_node_id] += message_bytes(m)
         replies: list[Message] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while dst and (deadline is None or time.monotonic() < deadline):
@@ -137,6 +140,7 @@ class MeteredGrid:
                 time.sleep(POLL)
         for node in dst.values():
             self.errors.setdefault(node, f"{self.stage}: no reply within {timeout:.0f}s")
+        self.seconds[self.stage] += time.monotonic() - t0
         return replies
 
     def push_messages(self, messages):  # the plain path's exchange, when the audit wraps it
@@ -162,7 +166,7 @@ class MeteredGrid:
 
     def start_round(self, round_: int) -> None:
         self.round, self.stage = round_, ""
-        self.down.clear(), self.up.clear(), self.errors.clear(), self.replied.clear()
+        self.down.clear(), self.up.clear(), self.errors.clear(), self.replied.clear(), self.seconds.clear()
 
 
 class RoundStrategy(Strategy):
@@ -288,7 +292,8 @@ class SecureSiteRound:
 
     def _protocol_line(self, strategy: RoundStrategy, halted: bool, sampled: int, seconds: float) -> dict:
         grid = self.metered
-        stages = {s: {"down": sum(grid.down[s].values()), "up": sum(grid.up[s].values())} for s in STAGES if s in grid.down}
+        stages = {s: {"down": sum(grid.down[s].values()), "up": sum(grid.up[s].values()), "seconds": round(grid.seconds[s], 3)}
+                  for s in STAGES if s in grid.down}
         return {"protocol": "secagg+", "sites_sampled": sampled, "sites_summed": 0 if halted else len(strategy.reports),
                 "halted": halted, "bytes_down": sum(v["down"] for v in stages.values()),
                 "bytes_up": sum(v["up"] for v in stages.values()), "stages": stages, "seconds": seconds,

@@ -28,6 +28,7 @@ import safetensors.torch
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import http_grid
 
 from fedpipe.algorithms.base import Algorithm, Phase, ServerState
 from fedpipe.engine.clients import ClientOutcome, ClientWork
@@ -41,10 +42,14 @@ from fedpipe.federation.census import Census, take_census
 from fedpipe.federation.outputs import ServerOutputs
 from fedpipe.federation.private import server_privacy
 from fedpipe.federation.spec import FederationSpec
+from fedpipe.federation.supernode import quick_pulls
 from fedpipe.federation.transport import POLL, UploadRejected, check_upload, record_bytes, to_record
 
 log = logging.getLogger(__name__)
 app = ServerApp()
+# the replies' content is pulled with a short backoff, not Flower's 1 s (`fedpipe.federation.supernode.quick_pulls`;
+# the ServerApp's grid is flwr/superlink/grid/http_grid.py's)
+quick_pulls(http_grid)
 DEVICE = torch.device("cpu")
 
 

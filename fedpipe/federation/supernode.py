@@ -5,9 +5,11 @@ Flower's SuperNode loop (flwr/supernode/start_client_internal.py, `start_client_
 message and, when there is none, sleeps 3 s before the next pull; after taking a message it polls its own state for
 the reply every 0.5 s. In a synchronous federation every site has just pushed its reply when it pulls again, finds
 nothing (the server is still waiting for the other sites) and sleeps the full 3 s, so every round pays about 3 s of
-nothing. Here the loop's `time` is a clock whose `sleep` is at most `FEDPIPE_SITE_PULL_INTERVAL` seconds (default
-0.25): an idle site asks the SuperLink 4 times a second instead of once every 3 seconds, a small request over the
-connection it already holds. Nothing else of the SuperNode changes.
+nothing (a SecAgg+ round, four exchanges, 12 s). Here the loop's `time` is a clock whose idle `sleep` is at most
+`FEDPIPE_SITE_PULL_INTERVAL` seconds (default 0.25): an idle site asks the SuperLink 4 times a second instead of once
+every 3 seconds, a small request over the connection it already holds; its waits on its own memory (the worker's
+reply) take 20 ms instead of 0.5 s; and it pulls a message's content with a short backoff (`quick_pulls`). Nothing
+else of the SuperNode changes.
 """
 
 from __future__ import annotations
@@ -16,21 +18,40 @@ import os
 import sys
 import time
 
+#: A message's objects may still be on their way when its receiver pulls them (a task is handed out, a reply listed,
+#: before all its content has arrived); Flower's `pull_objects` then waits 1 s, doubling up to 10 s
+#: (flwr/supercore/constant.py PULL_INITIAL_BACKOFF, PULL_BACKOFF_CAP), which cost every exchange of a round about a
+#: second. fedpipe's processes (this SuperNode, the site worker, the ServerApp) retry after 20 ms, doubling up to 0.25 s.
+PULL_BACKOFF, PULL_BACKOFF_CAP = 0.02, 0.25
 PULL_ENV = "FEDPIPE_SITE_PULL_INTERVAL"
 DEFAULT_PULL = 0.25
 
 
+#: the loop's other waits (0.5 s) poll the SuperNode's own memory: for the worker's reply, for an object's content
+LOCAL_WAIT = 0.02
+
+
 class PullClock:
-    """The `time` module, but `sleep` waits at most `most` seconds."""
+    """The `time` module, but `sleep` waits at most `most` seconds for the loop's idle pull (Flower's 3 s) and
+    LOCAL_WAIT for its waits on its own state (Flower's 0.5 s)."""
 
     def __init__(self, most: float):
         self.most = most
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, self.most))
+        time.sleep(min(seconds, self.most if seconds >= 3 else LOCAL_WAIT))
 
     def __getattr__(self, name):
         return getattr(time, name)
+
+
+def quick_pulls(module) -> None:
+    """Make the `pull_objects` that Flower's `module` calls retry with fedpipe's backoff (PULL_BACKOFF)."""
+    from functools import partial
+
+    from flwr.supercore.inflatable.inflatable_utils import pull_objects
+
+    module.pull_objects = partial(pull_objects, initial_backoff=PULL_BACKOFF, backoff_cap=PULL_BACKOFF_CAP)
 
 
 def main() -> None:
@@ -41,6 +62,7 @@ def main() -> None:
     if not 0.01 <= most <= 3.0:
         sys.exit(f"{PULL_ENV}={most}: between 0.01 and 3 seconds (Flower's own wait is 3)")
     loop.time = PullClock(most)
+    quick_pulls(loop)  # the message's content from the SuperLink (`_pull_and_store_message`)
     sys.argv[0] = "flower-supernode"
     flower_supernode()
 

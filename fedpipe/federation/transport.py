@@ -16,7 +16,7 @@ Params = dict[str, torch.Tensor]
 MAX_UPLOAD_FACTOR = 1.0
 #: Seconds between the server's pulls for replies (Flower's own `Grid.send_and_receive` waits 3 s between them,
 #: flwr/superlink/grid/http_grid.py): a pull is one small request to the SuperLink, on the SuperLink's own machine.
-POLL = 0.1
+POLL = 0.05
 
 
 class UploadRejected(ValueError):

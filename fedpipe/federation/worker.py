@@ -66,6 +66,7 @@ from fedpipe.federation import client_app, site_log  # torch and fedpipe's Clien
 from fedpipe.federation.app import AppRefused, check_fab, run_name
 from fedpipe.federation.policy import SitePolicy
 from fedpipe.federation.secagg import message_bytes
+from fedpipe.federation.supernode import PULL_BACKOFF, PULL_BACKOFF_CAP
 
 log = logging.getLogger("fedpipe.site")
 SECRET_FILE = "superexec-secret"  # the HMAC secret this worker and its SuperNode share (in the site's folder, mode 600)
@@ -219,16 +220,11 @@ class SiteWorker:
         return reply, {**entry, "decision": "error" if reply.has_error() else "took"}
 
 
-#: a message's content may still be on its way from the SuperLink when its task is handed out (the SuperNode creates
-#: the task first): the first retry comes after 20 ms, doubling up to 0.25 s (Flower's defaults: 1 s up to 10 s, made
-#: for a process that takes longer than that to start)
-PULL_BACKOFF, PULL_BACKOFF_CAP = 0.02, 0.25
-
-
 def pull_task_input(client: RuntimeHttpClient):
     """The task's (message, context, run, FAB): Flower's own steps (flwr/supernode/runtime/run_clientapp.py,
     `pull_task_input`: PullTaskInput, PullMessages, then the message's objects inflated from its tree), with shorter
-    waits between the pulls of an object that has not arrived yet (PULL_BACKOFF)."""
+    waits between the pulls of an object that has not arrived yet (`supernode.PULL_BACKOFF`: the SuperNode creates the
+    task before the message's content has come from the SuperLink)."""
     res = client.PullTaskInput(PullTaskInputRequest())
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
     context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
