@@ -220,7 +220,7 @@ def profile_table(env: Path) -> str:
         if p:
             lines.append(f"| {sites} | {'on' if secagg else 'off'} | {p['round_s']:.2f} | {p['pull_s']:.3f} | {p['answer_s']:.3f} | "
                          f"{p['push_s']:.3f} | {p['slowest_site_s']:.2f} | {p['rest_s']:.2f} |")
-    lines += ["", "The rest: the SuperNodes' pulls from and pushes to the SuperLink (an idle SuperNode pulls every 0.25 s, "
+    lines += ["", "The rest: the SuperNodes' pulls from and pushes to the SuperLink (a SuperNode pulls again 50 ms after a message, then a quarter longer each time up to 1 s, "
               "fedpipe.federation.supernode; Flower's own waits 3 s), the server's pulls for replies (every 0.05 s, Flower's "
               "`send_and_receive` 3 s), the aggregation and the checkpoint; with SecAgg+ also its other three exchanges. "
               "The sites share the machine's 2 cores, so the slowest site waits for the others' training.", "",

@@ -5,11 +5,11 @@ Flower's SuperNode loop (flwr/supernode/start_client_internal.py, `start_client_
 message and, when there is none, sleeps 3 s before the next pull; after taking a message it polls its own state for
 the reply every 0.5 s. In a synchronous federation every site has just pushed its reply when it pulls again, finds
 nothing (the server is still waiting for the other sites) and sleeps the full 3 s, so every round pays about 3 s of
-nothing (a SecAgg+ round, four exchanges, 12 s). Here the loop's `time` is a clock whose idle `sleep` is at most
-`FEDPIPE_SITE_PULL_INTERVAL` seconds (default 0.25): an idle site asks the SuperLink 4 times a second instead of once
-every 3 seconds, a small request over the connection it already holds; its waits on its own memory (the worker's
-reply) take 20 ms instead of 0.5 s; and it pulls a message's content with a short backoff (`quick_pulls`). Nothing
-else of the SuperNode changes.
+nothing (a SecAgg+ round, four exchanges, 12 s). Here the loop's `time` is a `PullClock`: after a message the site
+asks again within 50 ms, then a quarter longer each time, up to `FEDPIPE_SITE_PULL_INTERVAL` seconds (default 1), a
+small request over the connection it already holds; its waits on its own memory (the worker's reply) take 20 ms
+instead of 0.5 s; and it pulls a message's content with a short backoff (`quick_pulls`). Nothing else of the
+SuperNode changes.
 """
 
 from __future__ import annotations
@@ -24,22 +24,34 @@ import time
 #: second. fedpipe's processes (this SuperNode, the site worker, the ServerApp) retry after 20 ms, doubling up to 0.25 s.
 PULL_BACKOFF, PULL_BACKOFF_CAP = 0.02, 0.25
 PULL_ENV = "FEDPIPE_SITE_PULL_INTERVAL"
-DEFAULT_PULL = 0.25
+DEFAULT_PULL = 1.0
 
 
 #: the loop's other waits (0.5 s) poll the SuperNode's own memory: for the worker's reply, for an object's content
 LOCAL_WAIT = 0.02
+#: the idle pull's first wait after a message, and how much longer each next one is (up to the most)
+FIRST_WAIT, GROWTH = 0.05, 1.25
 
 
 class PullClock:
-    """The `time` module, but `sleep` waits at most `most` seconds for the loop's idle pull (Flower's 3 s) and
-    LOCAL_WAIT for its waits on its own state (Flower's 0.5 s)."""
+    """The `time` module, but the loop's idle wait (Flower's `time.sleep(3)`) starts at FIRST_WAIT after each message
+    and grows by GROWTH per empty pull up to `most` seconds, and its waits on its own state (Flower's 0.5 s) are
+    LOCAL_WAIT. A site that has just answered asks again soon (the next exchange of a round is usually a second or
+    two away); an idle site asks at most once every `most` seconds, so a machine of many sites is not kept busy by
+    their polls."""
 
     def __init__(self, most: float):
-        self.most = most
+        self.most, self.wait, self.worked = most, FIRST_WAIT, False
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, self.most if seconds >= 3 else LOCAL_WAIT))
+        if seconds < 3:  # a wait on its own memory: a message is being answered
+            self.worked = True
+            time.sleep(LOCAL_WAIT)
+            return
+        if self.worked:
+            self.wait, self.worked = FIRST_WAIT, False
+        time.sleep(min(self.wait, self.most))
+        self.wait = min(self.wait * GROWTH, self.most)
 
     def __getattr__(self, name):
         return getattr(time, name)

@@ -66,7 +66,7 @@ from fedpipe.federation import client_app, site_log  # torch and fedpipe's Clien
 from fedpipe.federation.app import AppRefused, check_fab, run_name
 from fedpipe.federation.policy import SitePolicy
 from fedpipe.federation.secagg import message_bytes
-from fedpipe.federation.supernode import PULL_BACKOFF, PULL_BACKOFF_CAP
+from fedpipe.federation.supernode import GROWTH, PULL_BACKOFF, PULL_BACKOFF_CAP
 
 log = logging.getLogger("fedpipe.site")
 SECRET_FILE = "superexec-secret"  # the HMAC secret this worker and its SuperNode share (in the site's folder, mode 600)
@@ -82,11 +82,11 @@ class TooLong(Exception):
 
 
 class SiteWorker:
-    """The loop: acquire a task, check it, answer it with fedpipe's ClientApp, push the reply; `poll` seconds between
-    acquisitions while idle (Flower's SuperExec polls every second, FLWR_SUPEREXEC_TASK_POLL_INTERVAL)."""
+    """The loop: acquire a task, check it, answer it with fedpipe's ClientApp, push the reply; `poll` seconds before
+    the first acquisition after a task (Flower's SuperExec polls every second, FLWR_SUPEREXEC_TASK_POLL_INTERVAL)."""
 
     def __init__(self, runtime_api: str, secret: bytes, policy: SitePolicy, name: str, superlink: str, folder: Path,
-                 poll: float = 0.05):
+                 poll: float = 0.02):
         self.runtime_api, self.secret, self.policy, self.name = runtime_api, secret, policy, name
         self.superlink, self.folder, self.poll = superlink, folder, poll
         self.specs: dict[int, object] = {}  # run id -> the spec its messages carried (SecAgg+'s key stages carry none)
@@ -112,14 +112,17 @@ class SiteWorker:
         return res.token if res.HasField("task") and res.token else None
 
     def serve(self, alive=lambda: True) -> None:
-        """Take tasks until `alive()` is false (the SuperNode exited)."""
-        acquirer, token = self.client(), None
+        """Take tasks until `alive()` is false (the SuperNode exited). Between tasks the worker asks every `poll`
+        seconds at first, then a quarter longer each time up to 1 s (as its SuperNode's `PullClock` does): a site
+        that just answered takes the round's next message at once, an idle one costs its machine little."""
+        acquirer, token, wait = self.client(), None, self.poll
         while alive():
             token = token or self.acquire(acquirer)
             if token is None:
-                time.sleep(self.poll)
+                time.sleep(wait)
+                wait = min(wait * GROWTH, 1.0)
                 continue
-            token = self.take(token, acquirer)
+            token, wait = self.take(token, acquirer), self.poll
 
     def take(self, token: str, acquirer: RuntimeHttpClient) -> str | None:
         """One task: pull its inputs, check them, answer, push the reply and the context. Returns the token of the next
