@@ -25,7 +25,8 @@ from fedpipe.errors import ConfigError
 
 federation_app = typer.Typer(
     help="The operator's side of a federation (engine.mode=federation): `certs` makes the federation's CA and the "
-         "SuperLink's TLS certificate (and Kubernetes Secrets for the charts), `register` lets a site's public key join, "
+         "SuperLink's TLS certificate (and Kubernetes Secrets for the charts), `superlink` starts the SuperLink with them "
+         "(TLS, only registered sites), `register` lets a site's public key join, "
          "`rotate` replaces a site's key and retires its old node, `sites` lists the nodes the SuperLink knows. Sites make "
          "their own keys (`fedpipe site keygen`) and send only NAME.pub. A ledger file (--ledger) remembers which node "
          "each site holds. docs/federation-keys.md walks through it.",
