@@ -22,11 +22,12 @@ log = logging.getLogger("mkdocs.hooks.fedpipe")
 
 
 def on_startup(command, dirty, **kwargs) -> None:
-    """Say what builds the site: MkDocs and Material for MkDocs, pinned; Zensical not adopted yet (docs/docs.md)."""
+    """Say what builds the site: MkDocs and Material for MkDocs, pinned; Zensical tried, not adopted (docs/docs.md)."""
     from importlib.metadata import version
 
     log.info(f"fedpipe's site: MkDocs {version('mkdocs')} with Material for MkDocs {version('mkdocs-material')} "
-             "(pinned below 10; Zensical, Material's successor, not adopted yet: docs/docs.md, 'The theme')")
+             "(pinned below 10; Zensical, Material's successor, tried at 0.0.73 and not adopted: it runs no MkDocs "
+             "hooks and does not check the nav; docs/docs.md, 'The theme')")
 
 
 def on_pre_build(config, **kwargs) -> None:

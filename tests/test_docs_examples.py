@@ -30,9 +30,9 @@ NOT_RUN = {
 }
 
 
-def blocks(page: Path) -> list[tuple[str, str]]:
-    """(language, text) of each fenced block of a page."""
-    return re.findall(r"^```(\w+)\n(.*?)^```", page.read_text(), flags=re.M | re.S)
+def blocks(page: Path | str) -> list[tuple[str, str]]:
+    """(language, text) of each fenced block of a page (or of a part of one's text)."""
+    return re.findall(r"^```(\w+)\n(.*?)^```", page if isinstance(page, str) else page.read_text(), flags=re.M | re.S)
 
 
 def commands(block: str) -> list[list[str]]:
@@ -155,3 +155,37 @@ def test_every_example_page_has_examples_and_the_dataset_pages_none_untested():
         assert [lang for lang, _ in blocks(DOCS / page) if lang in ("bash", "yaml")], page
     assert not [lang for lang, _ in blocks(DOCS / "data" / "index.md") if lang in ("bash", "sh", "shell", "yaml")]
     assert not [lang for lang, _ in blocks(DOCS / "get-started" / "report.md") if lang in ("bash", "sh", "shell", "yaml")]
+
+
+# --- the operator's first federation, by hand (docs/federation.md) ------------------------------------------------
+
+FEDERATION = DOCS / "federation.md"
+#: what the page's commands become on one test machine: its names and paths stand for a real federation's
+ON_THIS_MACHINE = {"fl.example.org": "127.0.0.1", "0.0.0.0": "127.0.0.1"}
+#: the operator's section, each command by its first three words, in order
+OPERATOR_RUNS = [".venv/bin/fedpipe federation certs", ".venv/bin/fedpipe federation superlink",
+                 "PATH=$FEDPIPE_FLOWER_ENV/bin:$PATH FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 flower-superlink",
+                 "fedpipe site keygen", ".venv/bin/fedpipe federation register", "fedpipe site join", ".venv/bin/fedpipe run -c"]
+
+
+def _operator_section() -> list[list[str]]:
+    text = FEDERATION.read_text()
+    start = text.index("## The operator's first federation, by hand")
+    section = text[start : text.index("\n## ", start + 1)]
+    return [words for lang, block in blocks(section) if lang == "bash" for words in commands(block)]
+
+
+def _as_here(words: list[str], port: int, site: str = "hospital-a", data: Path | None = None) -> list[str]:
+    """A command of the page with its names, port and paths those of this machine (and of `site`)."""
+    out = []
+    for word in words:
+        for name, here in {**ON_THIS_MACHINE, ":9093": f":{port}", "hospital-a": site,
+                           f"/data/{site}": str(data), "/var/lib/fedpipe-site": "state"}.items():
+            word = word.replace(name, here)
+        out.append(str(port) if word == "9093" else word)
+    return out
+
+
+def test_the_operators_section_has_the_commands_this_file_runs():
+    """tests/federation/test_operator_docs.py runs these commands, in this order: a command added, dropped or moved shows."""
+    assert [" ".join(words[:3]) for words in _operator_section()] == OPERATOR_RUNS

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from fedpipe.algorithms import ALGORITHMS
 from fedpipe.data.federated import FEATURE_SHIFTS, input_standardisation, prepare_data
 from fedpipe.engine.evaluation import eval_mode, evaluate_personalized, predict
+from fedpipe.errors import FedpipeError
 from fedpipe.models.export import SPEC_FILE, ServingSpec, export_model, export_run, served_module
 from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.run.config import load_config, with_data_snapshot
@@ -210,6 +211,40 @@ def test_predict_reads_image_files_for_a_sites_model(tmp_path):
     assert [r[1] for r in rows] == [spec.labels[i] for i in expected]
     unknown = runner.invoke(app_(), ["predict", "--trust-unsigned", "--model", "served", "--client", "nowhere", "--store", str(run.store.url()), str(pngs[0])])
     assert unknown.exit_code == 2 and "No client 'nowhere'" in unknown.output and SITES[0] in unknown.output
+    # images are decoded within the data readers' budget (data.max_decoded_mb): a large one past it is refused by name
+    big = tmp_path / "big.png"
+    Image.fromarray(np.zeros((1500, 1500), dtype=np.uint8)).save(big)
+    over = runner.invoke(app_(), ["predict", "--trust-unsigned", "--model", "served", "--client", SITES[0], "--store", str(run.store.url()),
+                                  "--set", "data.max_decoded_mb=1", str(pngs[0]), str(big)])
+    assert over.exit_code != 0 and "past the drop's budget of 1 MB" in over.output and str(big) in over.output, over.output
+    assert "data.max_decoded_mb" in over.output
+    fits = runner.invoke(app_(), ["predict", "--trust-unsigned", "--model", "served", "--client", SITES[0], "--store", str(run.store.url()),
+                                  "--set", "data.max_decoded_mb=8", str(big)])
+    assert fits.exit_code == 0, fits.output
+
+
+def test_predict_decodes_images_within_the_decode_budget(tmp_path):
+    """What decoding one image needs must fit the budget, and the rows kept are charged: the first image past it
+    is refused by name, as the data readers refuse a drop's."""
+    from PIL import Image
+
+    from fedpipe.data.files.budget import DecodeBudget
+    from fedpipe.models.export import read_inputs
+
+    spec = ServingSpec("r", "fedavg", "cnn", "image", (1, 256, 256), (0.5,), (0.25,), ("a", "b"), None)
+    paths = []
+    for i in range(6):
+        paths.append(str(tmp_path / f"scan{i}.png"))
+        Image.fromarray(np.full((256, 256), 40 * i, dtype=np.uint8)).save(paths[-1])
+    names, x = read_inputs(spec, paths[:2], DecodeBudget(1))
+    assert names == paths[:2] and tuple(x.shape) == (2, 1, 256, 256)
+    with pytest.raises(FedpipeError, match="past the drop's budget of 1 MB") as refused:  # 256 KiB a row: the 4th fills 1 MB
+        read_inputs(spec, paths, DecodeBudget(1))
+    assert paths[3] in str(refused.value) and paths[2] not in str(refused.value) and "data.max_decoded_mb" in str(refused.value)
+    big = tmp_path / "big.png"
+    Image.fromarray(np.zeros((1500, 1500), dtype=np.uint8)).save(big)
+    with pytest.raises(FedpipeError, match=f"^{big}: decoding this 1500x1500 L image .* past the drop's budget"):
+        read_inputs(spec, [str(big)], DecodeBudget(1))
 
 
 def app_():

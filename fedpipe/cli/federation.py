@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,8 @@ from fedpipe.errors import ConfigError
 
 federation_app = typer.Typer(
     help="The operator's side of a federation (engine.mode=federation): `certs` makes the federation's CA and the "
-         "SuperLink's TLS certificate (and Kubernetes Secrets for the charts), `register` lets a site's public key join, "
+         "SuperLink's TLS certificate (and Kubernetes Secrets for the charts), `superlink` starts the SuperLink with them "
+         "(TLS, only registered sites), `register` lets a site's public key join, "
          "`rotate` replaces a site's key and retires its old node, `sites` lists the nodes the SuperLink knows. Sites make "
          "their own keys (`fedpipe site keygen`) and send only NAME.pub. A ledger file (--ledger) remembers which node "
          "each site holds. docs/federation-keys.md walks through it.",
@@ -104,6 +106,50 @@ def certs(out: Annotated[Path, typer.Option(help="Folder for ca.crt, ca.key, ser
 
 def _dates(cert) -> str:
     return f"{cert.not_valid_before_utc:%Y-%m-%d} .. {cert.not_valid_after_utc:%Y-%m-%d}"
+
+
+# --- the SuperLink -----------------------------------------------------------------------------------------------
+
+
+@federation_app.command("superlink")
+@_guarded
+def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe federation certs --out` wrote: its ca.crt, "
+                                                       "server.crt and server.key are the SuperLink's TLS files.")],
+              host: Annotated[str, typer.Option(help="The address the SuperLink listens on: 0.0.0.0 for every interface, or one "
+                                                     "interface's address.")] = "0.0.0.0",
+              port: Annotated[int, typer.Option(min=1, max=65535, help="Its one HTTPS port: the sites' Fleet API and the operator's "
+                                                                       "Control API. NAME:PORT, NAME a --host of the certificate, is "
+                                                                       "what `fedpipe site join --superlink`, `fedpipe federation "
+                                                                       "register --superlink` and federation.superlink dial.")] = 9093,
+              flower_env: FlowerEnvOpt = None):
+    """Start the federation's SuperLink (Flower 1.42's flower-superlink) the way fedpipe's federation needs it.
+
+    TLS with the files of `fedpipe federation certs` (the sites check the SuperLink against ca.crt), SuperNode
+    authentication (only site keys registered with `fedpipe federation register` may join), listening on
+    --host:--port, installing nothing a run asks for (--disable-runtime-dependency-installation). The Flower
+    environment is found as `fedpipe site join` finds it, and its bin is put on PATH (flower-superlink starts
+    flower-superexec by name). This process becomes the SuperLink: it runs in the foreground, logs to this
+    terminal, and stops with Ctrl-C. The Control API on the same port has no authentication of its own: let only
+    the sites' and the operator's addresses reach it. Example:
+
+        fedpipe federation superlink --certs certs --host 0.0.0.0 --port 9093
+    """
+    from fedpipe.federation.tryout import SUPEREXEC_ENV, superlink_args
+
+    files = {name: certs / name for name in ("ca.crt", "server.crt", "server.key")}
+    missing = [name for name, path in files.items() if not path.is_file()]
+    if missing:
+        raise ConfigError(f"--certs {certs} has no {', '.join(missing)}: make the federation's certificates with `fedpipe "
+                          f"federation certs --out {certs} --host NAME` (NAME: each name the sites dial the SuperLink by)")
+    program = _flower_bin(flower_env, "flower-superlink")
+    args = superlink_args(program, *(files[n].resolve() for n in ("ca.crt", "server.crt", "server.key")), host, port)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
+    env["PATH"] = os.pathsep.join([str(Path(program).parent), env.get("PATH", "")])
+    env.update(SUPEREXEC_ENV)
+    typer.echo(f"SuperLink on {host}:{port}: TLS with {files['server.crt']} (sites check it against {files['ca.crt']}), "
+               f"only registered site keys join; {program}")
+    sys.stdout.flush()  # exec replaces this process: what it printed must be out first
+    os.execve(program, args, env)  # the process becomes the SuperLink (signals, exit code and logs are its own)
 
 
 # --- flwr against one SuperLink ----------------------------------------------------------------------------------

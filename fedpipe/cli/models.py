@@ -291,7 +291,9 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
     and it takes raw inputs (the normalisation the run applied is inside it). Prints `file  label  probability`
     per image, or per CSV row (file:line). The line must be signed (FEDPIPE_SIGNING_KEY, the key its runs signed
     with) unless --trust-unsigned; a .pt2 is checked to hold no pickle and no code before torch loads it, and
-    TorchScript is loaded from a signed line only. Examples:
+    TorchScript is loaded from a signed line only. Images are decoded within the decode budget the data readers
+    use (data.max_decoded_mb, auto unless --config or --set gives it): an image that would take more is refused
+    by name. Examples:
 
         fedpipe predict --model sites --client hospital-a scan1.png scan2.png
 
@@ -299,6 +301,7 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
     """
     import torch
 
+    from fedpipe.data.files.budget import DecodeBudget
     from fedpipe.models.export import MAX_SERVED_MODEL_BYTES, MAX_SPEC_BYTES, SPEC_FILE, ServingSpec, load_exported, read_inputs
     from fedpipe.serving.predictor import signed_or_trusted
 
@@ -312,7 +315,8 @@ def predict(files: Annotated[list[Path], typer.Argument(metavar="FILES...", help
         raise FedpipeError(f"{where} is {size / 2**30:.1f} GiB; predict reads a model whole and takes at most "
                            f"{MAX_SERVED_MODEL_BYTES // 2**30} GiB. Serve it with torch.export.load on a machine sized for it.")
     net = load_exported(line.read(version, served.file, MAX_SERVED_MODEL_BYTES), served.format, where, signed=signed)
-    names, x = read_inputs(spec, [str(f) for f in files])
+    budget = DecodeBudget(_load(config, set).data.max_decoded_mb if config is not None or set else "auto")
+    names, x = read_inputs(spec, [str(f) for f in files], budget)
     with torch.no_grad():
         probs = torch.softmax(net(x).double(), dim=1)
     best, index = probs.max(dim=1)

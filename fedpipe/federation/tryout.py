@@ -57,6 +57,20 @@ def node_config_arg(entries: dict) -> str:
     return " ".join(parts)
 
 
+SUPEREXEC_ENV = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}  # the SuperLink's SuperExec starts a ServerApp within 0.1 s, not 1
+
+
+def superlink_args(superlink: str | Path, ca_cert: str | Path, server_cert: str | Path, server_key: str | Path,
+                   host: str, port: int) -> list[str]:
+    """The command of a federation's SuperLink (`superlink`: the Flower environment's flower-superlink): TLS with the
+    federation's CA and the SuperLink's certificate and key, SuperNode authentication (only site keys registered
+    through the Control API may join), listening on `host`:`port` (one HTTPS port for the Fleet, Control and Runtime
+    APIs), and nothing a run asks for installed. Run it with the Flower environment's bin on PATH (it starts
+    `flower-superexec` by name) and SUPEREXEC_ENV in its environment."""
+    return [str(superlink), "--ssl-ca-certfile", str(ca_cert), "--ssl-certfile", str(server_cert), "--ssl-keyfile", str(server_key),
+            "--enable-supernode-auth", "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+
+
 def supernode_options(superlink: str, ca_cert: str | Path, private_key: str | Path, node_config: dict,
                       port: int, max_retries: int | None = None) -> list[str]:
     """The `flower-supernode` options of one site: TLS against `ca_cert`, authenticated by its `private_key`, its folder
@@ -152,7 +166,7 @@ class LoopbackFederation:
         env["PYTHONPATH"] = str(ROOT)
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
         env["FLWR_TELEMETRY_ENABLED"] = "0"
-        env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.1"  # the SuperLink's SuperExec starts a ServerApp within 0.1 s, not 1
+        env.update(SUPEREXEC_ENV)
         env.update(extra or {})
         return env
 
@@ -177,10 +191,8 @@ class LoopbackFederation:
         self.work.mkdir(parents=True, exist_ok=True)
         self.tls = make_tls(self.certs)
         write_connection(self.home, CONNECTION, f"127.0.0.1:{self.port}", self.tls["ca_cert"])
-        self._spawn("superlink", [str(self.bin / "flower-superlink"), "--ssl-ca-certfile", str(self.tls["ca_cert"]),
-                                  "--ssl-certfile", str(self.tls["server_cert"]), "--ssl-keyfile", str(self.tls["server_key"]),
-                                  "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(self.port),
-                                  "--disable-runtime-dependency-installation"])
+        self._spawn("superlink", superlink_args(self.bin / "flower-superlink", self.tls["ca_cert"], self.tls["server_cert"],
+                                                self.tls["server_key"], "127.0.0.1", self.port))
         self._wait_port(self.port, "superlink")
         return self
 

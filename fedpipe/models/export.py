@@ -48,6 +48,7 @@ from fedpipe.models.safe_pt2 import checked_pt2
 from fedpipe.safe_load import parse_json
 
 if TYPE_CHECKING:
+    from fedpipe.data.files.budget import DecodeBudget
     from fedpipe.run.run import Run
 
 log = logging.getLogger(__name__)
@@ -450,21 +451,26 @@ def export_run(run: Run) -> tuple[dict[str, bytes], ServingSpec, tuple[str, ...]
 MAX_INPUT_FILE_BYTES = 64 * 2**20
 
 
-def read_inputs(spec: ServingSpec, paths: list[str]) -> tuple[list[str], torch.Tensor]:
+def read_inputs(spec: ServingSpec, paths: list[str], budget: DecodeBudget | None = None) -> tuple[list[str], torch.Tensor]:
     """(what each row is, the raw input batch) of files as `spec`'s models take them: an image file (PNG or
     JPEG, converted to the spec's channels and resized to its size) is one row, named by its path; a CSV of
-    feature rows (a header line is skipped) gives one row per line, named path:line."""
+    feature rows (a header line is skipped) gives one row per line, named path:line. Images are decoded within
+    `budget`, as the data readers decode a drop (`data.max_decoded_mb`; default auto): what decoding one needs
+    must fit what is left, and each row kept (float32) is charged; the first image past it is an error naming it."""
+    from fedpipe.data.files.budget import DecodeBudget
     from fedpipe.data.files.images import decode_image
     from fedpipe.data.files.rows import Problems
 
+    if budget is None and spec.input_kind == "image":
+        budget = DecodeBudget()
     names, rows = [], []
     for path in paths:
         data = _read_input_file(path)
         if spec.input_kind == "image":
             channels, height, width = spec.input_shape
             problems = Problems()
-            image = decode_image(data, path, channels, height if height == width else None, problems)
-            if image is None:
+            image = decode_image(data, path, channels, height if height == width else None, problems, budget)
+            if image is None or not budget.charge(channels * height * width * 4, path, "its input row (float32)", problems):
                 raise FedpipeError("; ".join(str(p) for p in problems.errors) or f"{path} is not a readable image.")
             if image.shape != (channels, height, width):
                 raise FedpipeError(f"{path} is {image.shape[2]}x{image.shape[1]} pixels; the model takes {width}x{height}. "

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 import fedpipe.cli.federation as federation_cli
 from fedpipe.cli import app
 from fedpipe.federation.certs import make_site_key
-from fedpipe.federation.tryout import free_port
+from fedpipe.federation.tryout import free_port, superlink_args
 
 
 def fed(*args: str):
@@ -168,6 +168,47 @@ def test_keygen_does_not_follow_a_link_at_the_key_path(tmp_path, planted):
     assert r.exit_code == 2 and f"{planted} already exists" in r.stderr, r.stdout + r.stderr
     assert target.read_text() == "precious" and stat.S_IMODE(target.stat().st_mode) == 0o644
     assert not (keys / ("hospital-a.pub" if planted.endswith(".key") else "hospital-a.key")).exists()
+
+
+# --- the SuperLink -----------------------------------------------------------------------------------------------
+
+
+def test_the_superlink_command_starts_flower_superlink_with_tls_auth_and_the_flower_bin_on_path(tmp_path, monkeypatch):
+    env = tmp_path / "flower"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "flower-superlink").write_text("#!/bin/sh\n")
+    certs = tmp_path / "certs"
+    assert fed("certs", "--out", certs, "--host", "fl.example.org").exit_code == 0
+    started = []
+    monkeypatch.setattr(federation_cli.os, "execve", lambda program, args, environ: started.append((program, args, environ)))
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "3")
+    r = fed("superlink", "--certs", certs, "--host", "0.0.0.0", "--port", "9093", "--flower-env", env)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    [(program, args, environ)] = started
+    assert program == str(env / "bin" / "flower-superlink") and args[0] == program
+    assert args[1:] == ["--ssl-ca-certfile", str(certs.resolve() / "ca.crt"), "--ssl-certfile", str(certs.resolve() / "server.crt"),
+                        "--ssl-keyfile", str(certs.resolve() / "server.key"), "--enable-supernode-auth", "--host", "0.0.0.0",
+                        "--port", "9093", "--disable-runtime-dependency-installation"]
+    assert environ["PATH"].split(":")[:2] == [str(env / "bin"), "/usr/bin"]  # it starts flower-superexec by name
+    assert environ["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
+    assert "SuperLink on 0.0.0.0:9093" in r.stdout and "only registered site keys join" in r.stdout
+    monkeypatch.setenv("FEDPIPE_FLOWER_ENV", str(env))  # found as `fedpipe site join` finds it
+    monkeypatch.setattr("fedpipe.cli.site.FLOWER_ENV", env)
+    assert fed("superlink", "--certs", certs).exit_code == 0 and started[-1][0] == str(env / "bin" / "flower-superlink")
+    assert started[-1][1][-5:] == ["--host", "0.0.0.0", "--port", "9093", "--disable-runtime-dependency-installation"]
+
+
+def test_the_superlink_command_names_missing_certificates_and_a_missing_flower(tmp_path, monkeypatch):
+    monkeypatch.setattr(federation_cli.os, "execve", lambda *a: pytest.fail("started without its files"))
+    (tmp_path / "certs").mkdir()
+    (tmp_path / "certs" / "ca.crt").write_text("x")
+    r = fed("superlink", "--certs", tmp_path / "certs", "--flower-env", tmp_path)
+    assert r.exit_code == 2 and "has no server.crt, server.key" in r.stderr and "fedpipe federation certs --out" in r.stderr, r.stderr
+    assert fed("certs", "--out", tmp_path / "made", "--host", "localhost").exit_code == 0
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    r = fed("superlink", "--certs", tmp_path / "made", "--flower-env", tmp_path / "no-flower")
+    assert r.exit_code == 2 and "flower-superlink (Flower 1.42) was not found" in r.stderr and "scripts/flower-env.sh" in r.stderr, r.stderr
 
 
 # --- register, rotate, sites without Flower ----------------------------------------------------------------------
@@ -316,10 +357,8 @@ def superlink(request, tmp_path_factory):
     assert fed("certs", "--out", work / "certs", "--host", "localhost").exit_code == 0
     link = LoopbackFederation(work, env)
     link.tls = {"ca_cert": work / "certs" / "ca.crt"}
-    link._spawn("superlink", [str(link.bin / "flower-superlink"), "--ssl-ca-certfile", str(work / "certs" / "ca.crt"),
-                              "--ssl-certfile", str(work / "certs" / "server.crt"), "--ssl-keyfile", str(work / "certs" / "server.key"),
-                              "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(link.port),
-                              "--disable-runtime-dependency-installation"])
+    link._spawn("superlink", superlink_args(link.bin / "flower-superlink", work / "certs" / "ca.crt", work / "certs" / "server.crt",
+                                            work / "certs" / "server.key", "127.0.0.1", link.port))
     try:
         link._wait_port(link.port, "superlink")
         yield {"link": link, "work": work, "env": env, "superlink": f"127.0.0.1:{link.port}", "ca": work / "certs" / "ca.crt",
