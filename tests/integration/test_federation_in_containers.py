@@ -163,7 +163,7 @@ def _start(box: Containers, work: Path, image: str, repository: str, tag: str, s
     write_manifest(str(pooled), manifest)
     inbox = work / "operator-inbox"
     inbox.mkdir()
-    site_pods = {}
+    site_pods, site_config_maps = {}, {}
     for name in NAMES:
         data = work / "sites" / name / "data"
         shutil.copytree(pooled / name, data / name)
@@ -179,6 +179,7 @@ def _start(box: Containers, work: Path, image: str, repository: str, tag: str, s
                       "--set", f"superlink.caSecret.name={CA_SECRET}", "--set", f"siteKey.secretName={name}-key",
                       "--set", f"data.volume.hostPath={data}", "--set", "networkPolicy.superlinkPeers[0].ipBlock.cidr=127.0.0.1/32", cluster=False)
         site_pods[name] = pod_spec(docs, "Deployment", "")
+        site_config_maps.update(config_maps_of(docs))  # the site's policy (its ConfigMap, mounted as the chart says)
     inbox.chmod(0o755)
 
     Minio(s3_server.removeprefix("http://"), access_key=access, secret_key=secret, secure=False, region="us-east-1").make_bucket(BUCKET)
@@ -211,7 +212,7 @@ def _start(box: Containers, work: Path, image: str, repository: str, tag: str, s
 
     # The three site pods. Host networking: each SuperNode needs its own ClientApp I/O port (module docstring).
     for name, pod in site_pods.items():
-        c = PodContainer(pod, "supernode", secrets, claims={})
+        c = PodContainer(pod, "supernode", secrets, site_config_maps, claims={})
         names[name] = box.run(c.podman_args(image, f"{prefix}-{name}", work / "site-pods" / name, ["--port", str(free_port())]))
         names[f"{name}-state"] = str(next(iter(c.claims.values())))
     deadline, table = time.monotonic() + 120, ""
