@@ -3,7 +3,7 @@
 #   make test   set up .venv with the test tools, the test services and the container image, then run the tests
 .PHONY: run test setup setup-test services images clean bench-peers docs docs-serve docs-tools
 
-# Two test processes (pytest-xdist): the suite took 34 to 54 min in two on 2 cores (2026-11), the federation tests, on one worker, its long pole.
+# Two test processes (pytest-xdist): the suite took 31 min in two on 2 cores (2026-11-29, once set up); the federation tests run on one worker.
 # Each worker's torch gets its share of the cores (tests/conftest.py); the federation tests share one worker
 # (tests/federation/conftest.py, --dist loadgroup); the 25 slowest tests are listed at the end.
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25

@@ -207,10 +207,10 @@ def run_epsilon(spec) -> float:
     rate and the noise multiplier), capped by target_epsilon; in local mode the epsilon against the server itself
     (`fedpipe.engine.accounting.epsilon_against_server`), which a site that trusts nobody counts."""
     from fedpipe.engine.accounting import epsilon_against_server, epsilon_of
+    from fedpipe.federation.private import sample_rate
 
     cfg = spec.privacy_cfg
-    rate = float(spec.train.get("client_fraction", 1.0))
-    history = [[cfg.noise_multiplier, rate if p.sample_clients else 1.0, len(p.rounds)] for p in spec.phases() if p.communicates]
+    history = [[cfg.noise_multiplier, sample_rate(spec, p), len(p.rounds)] for p in spec.phases() if p.communicates]
     if cfg.mode == "local":
         return epsilon_against_server(cfg.accountant, history, run_delta(spec))
     planned = epsilon_of(cfg.accountant, history, run_delta(spec))

@@ -202,7 +202,7 @@ class SiteWorker:
         spec = _spec_of(message) or self.specs.get(context.run_id)
         if spec is None:
             raise Refused("a message of a run whose spec it has not seen (the census sends it first)")
-        self.specs[context.run_id] = spec
+        self.specs = {**{k: v for k, v in list(self.specs.items())[-15:] if k != context.run_id}, context.run_id: spec}  # the latest runs
         entry = {**entry, "method": spec.method.get("name"), **_round_of(message)}
         why = self.policy.refusal(spec, entry["run"], self.superlink, entry["kind"])
         if why:
