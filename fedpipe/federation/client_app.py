@@ -39,7 +39,7 @@ from fedpipe.algorithms.base import ServerState
 from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
 from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
 from fedpipe.federation import audit
-from fedpipe.federation.faults import corrupt, injected_fault
+from fedpipe.federation.faults import claimed_samples, corrupt, inflated_evaluation, injected_fault
 from fedpipe.federation.private import site_privacy
 from fedpipe.federation.sites import Site, keep_for_serving, state_digest
 from fedpipe.federation.spec import FederationSpec
@@ -95,7 +95,10 @@ def identify(msg: Message, context: Context) -> Message:
         Site.assign(context.node_config["site-dir"], spec, int(ask["client-id"]))
         return Message(RecordDict({"site": ConfigRecord({"assigned": int(ask["client-id"])})}), reply_to=msg)
     site = _site(context, spec, client_id=-1 if spec is not None and spec.site_data else None)
-    answer = {"client-id": site.client_id, "opt-out": site.opt_out}
+    (client,) = site.data.clients
+    # the counts the server weighs this site's uploads and scores by for the whole run (`census.Samples`)
+    samples = {"train": len(client.train), "test": len(client.test), "holdout": len(site.data.global_test) if site.census is not None else 0}
+    answer = {"client-id": site.client_id, "opt-out": site.opt_out, "samples": json.dumps(samples)}
     if site.census is not None:
         # what the server needs and nothing more: the snapshot's digest, not the site's local path or file counts
         census = {**site.census, "snapshot": {"digest": site.census["snapshot"]["digest"]}}
@@ -140,7 +143,7 @@ def train(msg: Message, context: Context) -> Message:
     reply: dict = {}
     # state-in: a digest of the personal state this round started from (0: none), so a test can tell a site
     # that rejoined with its state from one that started afresh; the state itself never leaves the site
-    metrics = {"num-samples": outcome.num_samples, "state-in": state_digest(state)}
+    metrics = {"num-samples": claimed_samples(round_, outcome.num_samples), "state-in": state_digest(state)}
     if outcome.error:
         reply["error"] = ConfigRecord({"message": outcome.error})
     else:
@@ -245,4 +248,4 @@ def evaluate(msg: Message, context: Context) -> Message:
     if site.census is not None:  # own files: keep what serving this site's own models needs (`fedpipe site serve`)
         keep_for_serving(site.folder, spec.to_json(), site.client_id, site.census["name"], int(c.chosen), float(c.candidates[c.chosen]),
                          float(c.accuracy), site.census.get("labels"), site.census.get("snapshot"), server.global_params)
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return Message(RecordDict({"metrics": MetricRecord(inflated_evaluation(metrics))}), reply_to=msg)

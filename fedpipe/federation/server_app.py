@@ -38,7 +38,16 @@ from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError
 from fedpipe.federation import audit, resume
-from fedpipe.federation.census import Census, take_census
+from fedpipe.federation.census import (
+    Census,
+    CensusError,
+    ClaimRefused,
+    Samples,
+    read_answer,
+    take_census,
+    vouched_samples,
+    vouched_scores,
+)
 from fedpipe.federation.outputs import ServerOutputs
 from fedpipe.federation.private import server_privacy
 from fedpipe.federation.spec import FederationSpec
@@ -60,6 +69,7 @@ class SiteEntry:
     client_id: int
     opt_out: bool
     node_id: int
+    samples: Samples | None = None  # the census's counts: what the server weighs this site's replies by
 
 
 class Roster:
@@ -120,7 +130,7 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float, spec: FederationSp
         missing = [s.name for s in census.sites if s.node_id not in replies or replies[s.node_id].has_error()]
         if missing:
             raise TimeoutError(f"site(s) {missing} did not take their client id within {timeout:.0f}s")
-    return Roster([SiteEntry(s.client_id, s.opt_out, s.node_id) for s in census.sites]), spec, census
+    return Roster([SiteEntry(s.client_id, s.opt_out, s.node_id, s.samples) for s in census.sites]), spec, census
 
 
 def _identities(grid: Grid, nodes: tuple[int, ...], ask: dict, timeout: float,
@@ -135,9 +145,12 @@ def _identities(grid: Grid, nodes: tuple[int, ...], ask: dict, timeout: float,
             if refusals is not None:
                 refusals[node] = str(reply.error.reason)
             continue
-        site = reply.content["site"]
-        answers.append((node, {"client-id": int(site["client-id"]), "opt-out": bool(site["opt-out"]),
-                               "census": json.loads(str(site["census"])) if "census" in site else None}))
+        try:  # bounded and typed before anything in it is used; a malformed answer is that site's refusal
+            answers.append((node, read_answer(node, reply.content.config_records.get("site") or {})))
+        except CensusError as e:
+            log.warning("Census: %s", e)
+            if refusals is not None:
+                refusals[node] = str(e)
     return answers
 
 
@@ -208,10 +221,13 @@ class SiteRound:
             return self._reject(cid, round_, 0, f"SiteError: {site}: {reply.error.reason}")
         content = reply.content
         metrics = content["metrics"]
-        samples = int(metrics.get("num-samples", 0))  # local DP: a site releases nothing but its noised update
         self.reports.setdefault(round_, {})[cid] = {k: metrics[k] for k in ("state-in", "state-out") if k in metrics}
         if "error" in content:
-            return self._reject(cid, round_, samples, f"ClientFailed: {site}: {content['error']['message']}")
+            return self._reject(cid, round_, 0, f"ClientFailed: {site}: {content['error']['message']}")
+        try:  # the weight is the census's count, never the reply's claim
+            samples = vouched_samples(site, self.roster.by_id[cid].samples, metrics, self.privacy is not None)
+        except ClaimRefused as e:
+            return self._reject(cid, round_, 0, f"UploadRejected: {e}")
         upload, sent = None, 0
         if "upload" in content:
             try:  # the method's declared upload (`Algorithm.upload_layout`; by default the download's layout)
@@ -302,14 +318,18 @@ def evaluate_at_sites(grid: Grid, roster: Roster, spec: FederationSpec, global_p
     if champion is not None:
         content["champion"] = to_record(champion)
     asks = [Message(RecordDict(content), dst_node_id=e.node_id, message_type=MessageType.EVALUATE) for e in roster.clients]
-    by_node = {e.node_id: e.client_id for e in roster.clients}
+    by_node = {e.node_id: e for e in roster.clients}
     scores = {}
     for node, reply in exchange(grid, asks, timeout).items():
-        cid = by_node[node]
+        entry = by_node[node]
         if reply.has_error():
-            log.warning("Site %s did not evaluate: %s", cid, reply.error.reason)
+            log.warning("Site %s did not evaluate: %s", entry.client_id, reply.error.reason)
             continue
-        scores[cid] = {k: float(v) for k, v in reply.content["metrics"].items()}
+        try:
+            scores[entry.client_id] = vouched_scores(f"site {entry.client_id} (node {node})", entry.samples,
+                                                     reply.content.metric_records.get("metrics") or {})
+        except ClaimRefused as e:
+            log.warning("Evaluation refused: %s; the site is left out of the evaluation and the gate", e)
     return scores
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,7 @@ from fedpipe.algorithms.base import ServerState
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.federation.launch import submission
-from fedpipe.federation.report import held_out_accuracy, read_output
+from fedpipe.federation.report import read_output
 from fedpipe.federation.resume import CHECKPOINT
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.models.drop_check import EVALUATION_FILE, evaluation_bytes
@@ -147,18 +148,36 @@ def _version_global(cfg, line: ModelLine, version: int, num_sites: int, why: str
     return dict(state.server.global_params)
 
 
-def site_scores(evaluation: dict, census: dict, key: str) -> tuple[dict[str, float], float | None]:
+def site_scores(evaluation: dict, census: dict, key: str, only: set[str] | None = None) -> tuple[dict[str, float], float | None]:
     """Per site name the global model's accuracy on its held-out share (`key`: holdout-accuracy, or
-    champion-holdout-accuracy for the promoted version's), and over all sites' held-out samples (weighted by their
-    sizes); sites that did not report it are left out."""
-    names = {str(s["client_id"]): str(s["name"]) for s in census["sites"]}
-    per_site = {names.get(cid, cid): float(s[key]) for cid, s in evaluation.items() if key in s and s.get("holdout-samples")}
-    return per_site, held_out_accuracy(evaluation, key)
+    champion-holdout-accuracy for the promoted version's), and over those sites' held-out samples, each site weighed
+    by the held-out count the census fixed for it (never by a count its evaluation states: one site claiming 10^9
+    samples would decide alone). A site the census did not count, with no held-out share, or whose figure is not a
+    finite fraction is left out (and logged); `only`: these site names at most."""
+    sites = {str(s["client_id"]): s for s in census.get("sites", [])}
+    per_site, weights = {}, {}
+    for cid, scores in evaluation.items():
+        site = sites.get(str(cid))
+        if site is None or key not in scores:
+            continue
+        name = str(site["name"])
+        weight = int((site.get("samples") or {}).get("holdout", 0))
+        value = scores[key]
+        if weight <= 0 or (only is not None and name not in only):
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not 0 <= value <= 1:
+            log.warning("The gate leaves out site %r: its %s %r is not a fraction in [0, 1]", name, key, value)
+            continue
+        per_site[name], weights[name] = float(value), weight
+    held = sum(weights.values())
+    overall = sum(per_site[n] * weights[n] for n in per_site) / held if held else None
+    return per_site, overall
 
 
 def decide_federated(cfg, evaluation: dict, census: dict, line: ModelLine, champion: int | None) -> Decision:
     """The gate's decision from the sites' figures: the first version is promoted; later ones by `compare`, the
-    simulation's rule, on the global model's accuracy at every site that scored both models."""
+    simulation's rule, on the global model's accuracy at every site that scored both models, weighed by the census's
+    held-out counts. The decision names the sites it relied on."""
     from fedpipe.models.sides import Scores
 
     registry = cfg.registry
@@ -169,17 +188,22 @@ def decide_federated(cfg, evaluation: dict, census: dict, line: ModelLine, champ
     if champion is None:
         return Decision(True, f"the first version of model line {line.name!r}: promoted without a comparison", "global_accuracy",
                         overall, None, None, 0, tuple(mine), settings=settings_of(registry),
-                        drop_check={"enabled": False, "note": DROP_CHECK_NOTE})
+                        drop_check={"enabled": False, "note": DROP_CHECK_NOTE},
+                        compared={"on": "the sites' held-out shares of the global test set, scored at the sites",
+                                  "sites": len(mine), "names": sorted(mine)})
     theirs, champ_overall = site_scores(evaluation, census, "champion-holdout-accuracy")
     shared = {n: a for n, a in mine.items() if n in theirs}
     if not shared:
         raise ConfigError(f"no site scored the promoted version {champion} (see the sites' logs): the gate cannot decide. Nothing "
                           "was registered or promoted; run again.")
-    shared_overall = held_out_accuracy({cid: s for cid, s in evaluation.items() if "champion-holdout-accuracy" in s})
+    _, shared_overall = site_scores(evaluation, census, "holdout-accuracy", only=set(shared))
+    theirs, champ_overall = site_scores(evaluation, census, "champion-holdout-accuracy", only=set(shared))
     decision = compare(Scores(shared, shared_overall), Scores(theirs, champ_overall), champion, registry, new_clients=(),
                        check_note=DROP_CHECK_NOTE)
-    held = sum(int(s.get("holdout-samples", 0)) for s in evaluation.values() if "champion-holdout-accuracy" in s)
-    compared = {"on": "the sites' held-out shares of the global test set, scored at the sites", "sites": len(shared), "samples": held}
+    counted = {str(s["name"]): int((s.get("samples") or {}).get("holdout", 0)) for s in census.get("sites", [])}
+    compared = {"on": "the sites' held-out shares of the global test set, scored at the sites", "sites": len(shared),
+                "names": sorted(shared), "samples": sum(counted.get(n, 0) for n in shared),
+                "weights": "the held-out counts the census fixed for each site"}
     return Decision(**{**decision.__dict__, "compared": compared})
 
 

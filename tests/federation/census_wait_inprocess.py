@@ -32,8 +32,15 @@ class Grid:
         for mid in ids:
             asked = self.sent.pop(mid)
             name = self.nodes[asked.metadata.dst_node_id]
-            census = {"name": name, "labels": ["0", "1"], "input_shape": [1, 8, 8], "num_classes": 2, "counts": None}
-            reply = Message(RecordDict({"site": ConfigRecord({"client-id": -1, "opt-out": False, "census": json.dumps(census)})}),
+            census = {"name": name, "labels": ["0", "1"], "input_shape": [1, 8, 8], "num_classes": 2, "counts": None,
+                      "snapshot": {"digest": "ab"}}
+            text = json.dumps(census)
+            if name.startswith("classes-"):  # an audit's dishonest sites: 10^6 classes, malformed JSON
+                text = json.dumps({**census, "num_classes": 10**6})
+            elif name.startswith("json-"):
+                text = text[:-7]
+            samples = json.dumps({"train": 10, "test": 4, "holdout": 5})
+            reply = Message(RecordDict({"site": ConfigRecord({"client-id": -1, "opt-out": False, "census": text, "samples": samples})}),
                             reply_to=asked)
             reply.metadata.__dict__["_reply_to_message_id"] = mid  # the stand-in's message ids are its own
             out.append(reply)
@@ -45,7 +52,8 @@ results = []
 for connected, expected, named, timeout in json.loads(sys.argv[1]):  # each case: its sites, the count, the names, the timeout
     try:
         roster, _, census = server_app.wait_for_sites(Grid(connected), expected, timeout, None, tuple(named))
-        results.append({"names": [s.name for s in census.sites]})
+        results.append({"names": [s.name for s in census.sites], "refused": list(census.refused),
+                        "samples": [s.samples.train for s in census.sites]})
     except Exception as e:  # noqa: BLE001 - reported to the test
         results.append({"error": type(e).__name__, "message": str(e)})
 print(json.dumps(results))

@@ -21,6 +21,7 @@ CASES = {
     "named": (["hospital-c", "intruder", "hospital-a", "hospital-b"], 3, NAMED, 2.0),
     "one missing": (["hospital-a", "hospital-b"], 3, NAMED, 2.0),
     "no names": (["hospital-b", "hospital-a"], 2, [], 2.0),
+    "malformed": (["hospital-a", "classes-x", "hospital-b", "json-y"], 2, [], 2.0),
 }
 
 
@@ -34,7 +35,7 @@ def waited(flower_env) -> dict:
 
 
 def test_the_named_sites_are_taken_and_an_unnamed_one_is_left_out(waited):
-    assert waited["named"] == {"names": NAMED}
+    assert waited["named"]["names"] == NAMED
 
 
 def test_a_named_site_that_does_not_come_is_named_by_the_timeout(waited):
@@ -46,4 +47,15 @@ def test_a_named_site_that_does_not_come_is_named_by_the_timeout(waited):
 
 
 def test_without_names_any_sites_do(waited):
-    assert waited["no names"] == {"names": ["hospital-a", "hospital-b"]}
+    assert waited["no names"]["names"] == ["hospital-a", "hospital-b"]
+
+
+def test_a_malformed_census_answer_is_that_sites_refusal_and_the_others_go_on(waited):
+    """An audit's dishonest sites: one claims 10^6 classes (the server would have built a 201-million-parameter model),
+    one sends JSON cut short (a raw decode error ended the run). Each is refused by name; the census fixes the others'
+    sample counts, which the server weighs them by."""
+    out = waited["malformed"]
+    assert out["names"] == ["hospital-a", "hospital-b"] and out["samples"] == [10, 10], out
+    refused = " | ".join(out["refused"])
+    assert "site 'classes-x' (node 101) sent a census answer fedpipe cannot take (census: num_classes" in refused, refused
+    assert "the site on node 103 sent a census answer fedpipe cannot take (census: " in refused, refused

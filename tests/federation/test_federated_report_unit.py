@@ -20,9 +20,11 @@ from fedpipe.store import open_store
 HOSTILE = "=HYPERLINK(\"http://x\")<script>alert(1)</script>"
 CENSUS = {"labels": ["0", "1"], "input_shape": [1, 8, 8], "num_classes": 2,
           "sites": [{"client_id": 0, "name": "a", "node_id": 11, "opt_out": False,
-                     "counts": {"train": [6, 4], "val": [1, 1], "test": [2, 2], "holdout": [5, 5]}, "snapshot": "s0"},
+                     "counts": {"train": [6, 4], "val": [1, 1], "test": [2, 2], "holdout": [5, 5]}, "snapshot": "s0",
+                     "samples": {"train": 10, "test": 4, "holdout": 10}},
                     {"client_id": 1, "name": HOSTILE, "node_id": 12, "opt_out": False,
-                     "counts": {"train": [2, 8], "val": [0, 2], "test": [1, 3], "holdout": [15, 15]}, "snapshot": "s1"}]}
+                     "counts": {"train": [2, 8], "val": [0, 2], "test": [1, 3], "holdout": [15, 15]}, "snapshot": "s1",
+                     "samples": {"train": 10, "test": 4, "holdout": 30}}]}
 #: site 0 holds 10 held-out samples, site 1 holds 30: the global figures weigh them 1:3
 EVALUATION = {"0": {"accuracy": 0.9, "chosen": 0.5, "holdout-accuracy": 0.8, "holdout-samples": 10.0, "test-samples": 4.0,
                     "champion-holdout-accuracy": 0.7},
