@@ -114,7 +114,8 @@ def phase(config_path: str, phase_name: str, previous_path: str | None, state_pa
     forward = RoundForwarder(run, phase_name, phases[names.index(phase_name)].rounds)
     warm = warm_start_for(run.cfg, site_count(run.cfg)) if names.index(phase_name) == 0 else None  # the first phase's start
     try:
-        result = federate(run.cfg, stage=phase_name, on_poll=forward, warm_start=None if warm is None else warm[1])
+        result = federate(run.cfg, stage=phase_name, on_poll=forward, warm_start=None if warm is None else warm[1],
+                          warm_ledger=None if warm is None else warm[2])
     finally:
         forward.close()
     Path(state_path).parent.mkdir(parents=True, exist_ok=True)

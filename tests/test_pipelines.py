@@ -307,8 +307,9 @@ def test_a_base_config_pasted_in_the_ui_keeps_the_deployments_store_and_pushgate
 
 def test_the_config_task_refuses_a_federated_run_that_would_fail_after_its_training(tmp_path):
     """A run started from the UI in federation mode whose gate metric the federated publication refuses (it registers
-    the global model only), or whose warm start privacy would need a ledger the federation cannot continue, fails at the
-    config task, by name, before any site trains (fedpipe.models.federated.check_federated)."""
+    the global model only) fails at the config task, by name, before any site trains
+    (fedpipe.models.federated.check_federated); a private warm start passes it (the federation continues the version's
+    ledger)."""
     from fedpipe.components.bodies import resolve_config
     from fedpipe.errors import ConfigError
 
@@ -317,9 +318,9 @@ def test_the_config_task_refuses_a_federated_run_that_would_fail_after_its_train
     assert ok.engine.mode == "federation" and ok.registry.gate_metric == "global_accuracy"
     with pytest.raises(ConfigError, match="registry.gate_metric=personalized_accuracy: a federated run registers its global model only"):
         resolve_config(base, {}, {}, ["registry.name=line", "registry.gate_metric=personalized_accuracy"], "job", str(tmp_path / "a.yaml"))
-    with pytest.raises(ConfigError, match="train.init_from=3 with privacy.enabled: a private federated run cannot start"):
-        resolve_config(base, {}, {}, ["registry.name=line", "registry.gate_metric=global_accuracy", "train.init_from=3",
-                                      "privacy.enabled=true"], "job", str(tmp_path / "b.yaml"))
+    private = resolve_config(base, {}, {}, ["registry.name=line", "registry.gate_metric=global_accuracy", "train.init_from=3",
+                                            "privacy.enabled=true"], "job", str(tmp_path / "b.yaml"))
+    assert private.privacy.enabled and private.train.init_from == "3"
 
 
 def test_an_unset_flag_keeps_the_environments_deployment_value(monkeypatch):

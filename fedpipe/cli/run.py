@@ -80,7 +80,8 @@ def _run_federated(cfg) -> None:
     typer.echo(f"Running {cfg.method.name} as a federation through {cfg.federation.superlink}: waiting for "
                f"{site_count(cfg)} sites" + (f"; starting from version {warm[0]} of model line {cfg.registry.name!r}" if warm else "")
                + (f"; the sites also score version {champion[0]} of model line {cfg.registry.name!r}" if champion else ""), err=True)
-    summary = federate(cfg, champion=None if champion is None else champion[1], warm_start=None if warm is None else warm[1])
+    summary = federate(cfg, champion=None if champion is None else champion[1], warm_start=None if warm is None else warm[1],
+                       warm_ledger=None if warm is None else warm[2])
     for line in summary_lines(summary)[1:]:
         typer.echo(line)
     typer.echo(f"  outputs                {summary['folder']}")

@@ -21,6 +21,7 @@ whole run at once.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from fedpipe.engine.accounting import Ledger
 from fedpipe.errors import ConfigError
 from fedpipe.federation.outputs import SubmittedRun
 from fedpipe.federation.report import write_report
@@ -74,16 +76,18 @@ def _safetensors(params: dict[str, torch.Tensor] | None) -> bytes | None:
 
 
 def submit(cfg, stage: str = "", champion: dict[str, torch.Tensor] | None = None, env: str | Path = DEFAULT_ENV,
-           warm_start: dict[str, torch.Tensor] | None = None) -> SubmittedRun:
-    """Put the run's spec (and the champion, and the warm start's global model) into the run's store and start the
-    ServerApp at the SuperLink, to stop after `stage` (empty: the whole run); returns the submission to wait on."""
+           warm_start: dict[str, torch.Tensor] | None = None, warm_ledger: Ledger | None = None) -> SubmittedRun:
+    """Put the run's spec (and the champion, and the warm start's global model and privacy ledger) into the run's
+    store and start the ServerApp at the SuperLink, to stop after `stage` (empty: the whole run); returns the
+    submission to wait on."""
     from fedpipe.federation.own_data import site_params
     from fedpipe.federation.spec import FederationSpec
 
     flwr, fed = check_federation(cfg, env), cfg.federation
     run = submission(cfg)
     spec = FederationSpec.for_sites(cfg, site_count(cfg), site_params(cfg))
-    run.submit(spec.to_json(), _safetensors(champion), _safetensors(warm_start))
+    run.submit(spec.to_json(), _safetensors(champion), _safetensors(warm_start),
+               None if warm_ledger is None else json.dumps(warm_ledger.to_json()).encode())
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
     with tempfile.TemporaryDirectory(prefix="fedpipe-submit-") as tmp:
         home = Path(tmp) / "flwr-home"
@@ -102,14 +106,16 @@ def budget(cfg) -> float:
 
 def federate(cfg, env: str | Path = DEFAULT_ENV, timeout: float | None = None,
              champion: dict[str, torch.Tensor] | None = None, stage: str = "",
-             on_poll: Callable[[SubmittedRun], None] = lambda run: None, warm_start: dict[str, torch.Tensor] | None = None) -> dict:
+             on_poll: Callable[[SubmittedRun], None] = lambda run: None, warm_start: dict[str, torch.Tensor] | None = None,
+             warm_ledger: Ledger | None = None) -> dict:
     """Run `cfg` (engine.mode=federation) through `cfg.federation.superlink` and wait. The whole run (`stage` empty or
     "evaluate") returns the run's summary (`fedpipe.federation.report.write_report`, the report written into the run's
     store); a stage before it returns the ServerApp's result.json. `champion`: the server state of the model line's
     promoted version, which the sites then score beside the new global model (the gate's figures, in evaluation.json).
-    `warm_start`: the global model the server starts from instead of the seeded one (train.init_from's version).
+    `warm_start`: the global model the server starts from instead of the seeded one (train.init_from's version);
+    `warm_ledger`: with privacy, that version's accountant, which the server's continues.
     `on_poll(run)` is called while waiting (the pipeline's phase task forwards the new rounds' metrics)."""
-    run = submit(cfg, stage, champion, env, warm_start)
+    run = submit(cfg, stage, champion, env, warm_start, warm_ledger)
     result = run.wait(timeout or budget(cfg), on_poll=lambda: on_poll(run))
     if stage not in ("", "evaluate"):
         return result

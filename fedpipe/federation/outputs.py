@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 
 from fedpipe.errors import CorruptArtifactError
-from fedpipe.federation.resume import CHAMPION, CHECKPOINT, RESUMES, WARM_START
+from fedpipe.federation.resume import CHAMPION, CHECKPOINT, RESUMES, WARM_LEDGER, WARM_START
 from fedpipe.store import Store, open_store, validate_prefix
 
 MODEL_BYTES = 8 * 2**30  # a global model, a checkpoint or a champion: far above any model fedpipe trains
 JSON_BYTES = 64 * 2**20
-LIMITS = {"spec.json": JSON_BYTES, CHAMPION: MODEL_BYTES, WARM_START: MODEL_BYTES, CHECKPOINT: MODEL_BYTES, RESUMES: JSON_BYTES,
+LIMITS = {"spec.json": JSON_BYTES, CHAMPION: MODEL_BYTES, WARM_START: MODEL_BYTES, WARM_LEDGER: JSON_BYTES, CHECKPOINT: MODEL_BYTES, RESUMES: JSON_BYTES,
           "census.json": JSON_BYTES, "rounds.jsonl": JSON_BYTES, "global.safetensors": MODEL_BYTES,
           "evaluation.json": JSON_BYTES, "result.json": JSON_BYTES, "error.json": JSON_BYTES, "champion.json": 4096}
-SUBMITTED = ("spec.json", CHAMPION, WARM_START)  # what the submitter writes before the ServerApp starts
+SUBMITTED = ("spec.json", CHAMPION, WARM_START, WARM_LEDGER)  # what the submitter writes before the ServerApp starts
 RESUMED = (CHECKPOINT, "rounds.jsonl", RESUMES)  # what a ServerApp on a fresh machine needs to go on from the last round
 FINAL = ("result.json", "error.json")  # what the submitter waits for; removed before each submission
 WORK_ENV = "FEDPIPE_SERVERAPP_WORK"
@@ -112,13 +112,14 @@ class SubmittedRun:
     def url(self) -> str:
         return self.store.url(self.prefix)
 
-    def submit(self, spec_json: str, champion: bytes | None, warm_start: bytes | None = None) -> None:
-        """The spec, the champion and the warm start (each absent one: an earlier one is removed), and no answer of an
-        earlier submission."""
+    def submit(self, spec_json: str, champion: bytes | None, warm_start: bytes | None = None,
+               warm_ledger: bytes | None = None) -> None:
+        """The spec, the champion, the warm start and its privacy ledger (each absent one: an earlier one is removed),
+        and no answer of an earlier submission."""
         for name in FINAL:
             self.store.delete(self.key(name))
         self.store.put(self.key("spec.json"), spec_json.encode())
-        for name, data in ((CHAMPION, champion), (WARM_START, warm_start)):
+        for name, data in ((CHAMPION, champion), (WARM_START, warm_start), (WARM_LEDGER, warm_ledger)):
             if data is None:
                 self.store.delete(self.key(name))
             else:

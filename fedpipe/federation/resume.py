@@ -28,6 +28,9 @@ CHAMPION = "champion.safetensors"
 #: the global model of the model-line version train.init_from names, written by the submitter: the server's round-0
 #: model instead of the seeded initialisation (a warm start; `fedpipe.models.federated.warm_start_for`)
 WARM_START = "warm-start.safetensors"
+#: with privacy: the accountant of that version (its ledger, JSON), which the server's accountant continues, as a
+#: simulated private warm start continues it (`fedpipe.models.warm.starting_ledger`)
+WARM_LEDGER = "warm-start-ledger.json"
 
 
 def fingerprint(spec_json: str) -> str:

@@ -31,6 +31,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import http_grid
 
 from fedpipe.algorithms.base import Algorithm, Phase, ServerState
+from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.clients import ClientOutcome, ClientWork
 from fedpipe.engine.privacy import Privacy
 from fedpipe.engine.rounds import RoundResult, run_phase
@@ -351,6 +352,28 @@ def read_warm_start(out: Path, initial: dict[str, torch.Tensor]) -> dict[str, to
     return {k: warm[k].to(t.device) for k, t in initial.items()}
 
 
+def read_warm_ledger(out: Path, spec: FederationSpec) -> Ledger | None:
+    """With privacy, the accountant of the version the warm start is from (warm-start-ledger.json, written by the
+    submitter from the version's state: `fedpipe.models.federated.warm_start_for`), which this run's accountant
+    continues as a simulated private warm start does; None without one. Read bounded and checked field by field
+    (`Ledger.from_json`): a forged history would understate epsilon."""
+    path = out / resume.WARM_LEDGER
+    if spec.privacy_cfg is None or not path.exists():
+        return None
+    if path.stat().st_size > LEDGER_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size} bytes, more than a privacy ledger ({LEDGER_BYTES}): submit the run again")
+    try:
+        ledger = Ledger.from_json(json.loads(path.read_text()))
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{path} is not a privacy ledger fedpipe wrote ({e}): submit the run again") from None
+    log.info("fedpipe federation: the accountant continues the warm start's (%d private rounds, epsilon %.3f)", ledger.rounds,
+             ledger.epsilon())
+    return ledger
+
+
+LEDGER_BYTES = 64 * 2**20
+
+
 def _read_model(path: Path, initial: dict[str, torch.Tensor], what: str, fix: str) -> dict[str, torch.Tensor] | None:
     if not path.exists():
         return None
@@ -406,7 +429,8 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     if audited:  # test-only: and every aggregation hook the server has
         algorithm = audit.AuditedAlgorithm(algorithm, out)
     log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
-    state = resume.load(out, spec.to_json(), spec.method["name"]) or PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
+    state = resume.load(out, spec.to_json(), spec.method["name"]) or PhaseState(spec.method["name"], "init", 0, ServerState(initial), {},
+                                                                                privacy=read_warm_ledger(out, spec))
     if state.round:
         publish(resume.RESUMES)
         log.info("fedpipe federation: resuming after round %d (phase %s) from %s", state.round, state.phase, out / resume.CHECKPOINT)

@@ -32,6 +32,7 @@ import safetensors.torch
 import torch
 
 from fedpipe.algorithms.base import ServerState
+from fedpipe.engine.accounting import Ledger
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, CorruptArtifactError
 from fedpipe.federation.launch import submission
@@ -46,7 +47,7 @@ from fedpipe.models.line import ModelLine, ModelSpec, VersionRecord
 from fedpipe.models.publish import REPORT_VERSIONS, STATE_FILE, finish_promotion, line_rows, outcome, registered
 from fedpipe.models.site_line import exporter, spec_standardisation
 from fedpipe.models.warm import _line as warm_line
-from fedpipe.models.warm import state_limit_for
+from fedpipe.models.warm import starting_ledger, state_limit_for, version_ledger
 from fedpipe.run.report import model_line_markdown
 from fedpipe.run.run import Run
 from fedpipe.store import open_store
@@ -69,22 +70,11 @@ def check_registry(cfg) -> None:
                           "score both models on their held-out shares instead: leave registry.reference empty")
 
 
-def check_warm_start(cfg) -> None:
-    """What a federated warm start (train.init_from other than none) needs beyond a simulated one's (a line to read it
-    from: `fedpipe.models.warm`): no privacy."""
-    given = cfg.train.init_from
-    if given != "none" and cfg.privacy.enabled:
-        raise ConfigError(f"train.init_from={given} with privacy.enabled: a private federated run cannot start from a model-line "
-                          "version yet (its epsilon would have to continue the version's). Set train.init_from=none, or run "
-                          "without privacy.")
-
-
 def check_federated(cfg) -> None:
     """Everything a federated run's publication and warm start would refuse, checked before anything is sent (the
     pipeline's config task, so that a run started from the UI fails at once, not after its training)."""
     if cfg.registry.name:
         check_registry(cfg)
-    check_warm_start(cfg)
 
 
 def _line(cfg) -> ModelLine:
@@ -101,33 +91,39 @@ def champion_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] | N
     version = line.promoted() if line.exists() else None
     if version is None:
         return None
-    return version, _version_global(cfg, line, version, num_sites, "the sites score the promoted global model with this "
-                                    "run's network, so they must match. Publish this configuration to another line (registry.name).")
+    state, _ = _version_state(cfg, line, version, num_sites, "the sites score the promoted global model with this "
+                              "run's network, so they must match. Publish this configuration to another line (registry.name).")
+    return version, dict(state.server.global_params)
 
 
-def warm_start_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """(version, its server's global params) of the version train.init_from names (pinned when the run starts,
-    `fedpipe.models.warm.pin_init_from`), the server's round-0 global model; None for `none`.
+def warm_start_for(cfg, num_sites: int) -> tuple[int, dict[str, torch.Tensor], Ledger | None] | None:
+    """(version, its server's global params, the accountant the run starts with) of the version train.init_from names
+    (pinned when the run starts, `fedpipe.models.warm.pin_init_from`): the server's round-0 global model; None for
+    `none`.
 
     A federated version holds no site's state (each site keeps its personal parts), so the sites' personal parts start
-    anew, as a simulated warm start treats the clients a version lacks (`fedpipe.models.warm.warm_start`). A private
-    run from a version is refused: the server's accountant would have to continue the version's, which the
-    federation's accountant (`fedpipe.federation.private`) does not do."""
+    anew, as a simulated warm start treats the clients a version lacks (`fedpipe.models.warm.warm_start`). With
+    privacy the run's accountant continues the version's ledger (`fedpipe.models.warm.starting_ledger`, the
+    simulation's rule: a version that is not private is refused unless privacy.public_init), so every epsilon the
+    federation reports covers both runs."""
     given = cfg.train.init_from
     if given == "none":
         return None
     if given == "promoted":
         raise ConfigError("train.init_from=promoted must be pinned to a version number when the run starts "
                           "(fedpipe.models.warm.pin_init_from), so that the run's id says which version it started from.")
-    check_warm_start(cfg)
     line, version = warm_line(cfg), int(given)  # an empty registry.name is refused there, as for a simulated warm start
-    return version, _version_global(cfg, line, version, num_sites, "the server starts from that version's global model "
-                                    "with this run's network, so they must match. Set train.init_from=none to start anew.")
+    state, where = _version_state(cfg, line, version, num_sites, "the server starts from that version's global model "
+                                  "with this run's network, so they must match. Set train.init_from=none to start anew.")
+    record = line.record(version)
+    ledger = starting_ledger(cfg, version_ledger(record, state, where), f"model line {line.name!r} version {version} "
+                             f"(run {record.run_id})", num_sites)
+    return version, dict(state.server.global_params), ledger
 
 
-def _version_global(cfg, line: ModelLine, version: int, num_sites: int, why: str) -> dict[str, torch.Tensor]:
-    """The server's global params in `version`'s state.pt, read bounded by this run's model, the version's model and
-    method checked against this run's first (`why`: what needs them equal)."""
+def _version_state(cfg, line: ModelLine, version: int, num_sites: int, why: str) -> tuple[PhaseState, str]:
+    """The server's state in `version`'s state.pt (and where it was read), read bounded by this run's model, the
+    version's model and method checked against this run's first (`why`: what needs them equal)."""
     record = line.record(version)
     theirs = record.spec
     mine_model = cfg.model_name(theirs.input_shape)
@@ -145,7 +141,7 @@ def _version_global(cfg, line: ModelLine, version: int, num_sites: int, why: str
     if state.method != cfg.method.name:
         raise CorruptArtifactError(f"{where} holds a {state.method} state, but its record says {theirs.method}: restore it, or "
                                    "promote another version")
-    return dict(state.server.global_params)
+    return state, where
 
 
 def site_scores(evaluation: dict, census: dict, key: str, only: set[str] | None = None) -> tuple[dict[str, float], float | None]:

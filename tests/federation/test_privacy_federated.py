@@ -9,6 +9,12 @@ so that the federation can be compared with the simulation; a real run keys the 
 each site's local noise by the site's own: test_census_unit.py). The global model must
 equal the simulation's within the loopback tolerance (rtol 1e-5, atol 1e-6: test_loopback.py), and so must the
 accountant's epsilon after each round.
+
+A third run on the same federation is a private warm start: central mode at another noise multiplier, its server
+starting from the central run's global model and continuing its ledger (`warm-start-ledger.json`, as `fedpipe run`
+writes it from a model-line version: fedpipe.models.federated.warm_start_for). Its epsilon after each round must be the
+simulation's composed epsilon: the simulated central run's ledger continued by `fedpipe.models.warm.starting_ledger`
+(the simulation's private warm start) and spent round by round.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import safetensors.torch
 import torch
 from runs import train_all
 
+from fedpipe.engine.state import PhaseState
+from fedpipe.federation.resume import CHECKPOINT, WARM_LEDGER, WARM_START
 from fedpipe.federation.tryout import LoopbackFederation, prepare
+from fedpipe.models.warm import starting_ledger
 from fedpipe.run.config import load_config
 from fedpipe.run.run import Run
 
@@ -32,6 +41,7 @@ BASE = ["method.name=fedavg", "partition.scheme=pathological", "partition.num_cl
         "privacy.enabled=true", "privacy.clip=1.0", "privacy.noise_multiplier=0.3", "privacy.seeded_noise=true"]
 MODES = {"central": ["privacy.mode=central", "privacy.adaptive_clip=true", "privacy.clip_count_stddev=1.0"],
          "local": ["privacy.mode=local"]}
+WARM = ["privacy.mode=central", "privacy.noise_multiplier=0.5"]
 
 
 @pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
@@ -54,11 +64,25 @@ def private_runs(tmp_path_factory, flower_env):
             fed.run(spec_files[mode], out, timeout=400)
             runs[mode] = {"out": out, "federated": safetensors.torch.load_file(str(out / "global.safetensors")),
                           "rounds": [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]}
+        # the warm start: the central run's model and ledger, as the submitter hands a version's to the ServerApp
+        warm_cfg = load_config(None, [*BASE, *WARM, f"run.store={work / 'store'}", "run.id=private-warm"])
+        warm_spec, _ = prepare(warm_cfg, work / "warm")
+        out = work / "fed" / "out-warm"
+        out.mkdir(parents=True)
+        central = PhaseState.from_bytes((runs["central"]["out"] / CHECKPOINT).read_bytes(), "cpu")
+        (out / WARM_START).write_bytes((runs["central"]["out"] / "global.safetensors").read_bytes())
+        ledger = starting_ledger(warm_cfg, central.privacy, "the central run", 4)
+        (out / WARM_LEDGER).write_text(json.dumps(ledger.to_json()))
+        fed.run(warm_spec, out, timeout=400)
+        runs["warm"] = {"rounds": [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()],
+                        "start": central.privacy}
     for mode, cfg in cfgs.items():
         run = Run(cfg)
         state = train_all(run)
         runs[mode]["simulated"] = {k: v.detach().cpu() for k, v in state.server.global_params.items()}
         runs[mode]["sim_rounds"] = [json.loads(line) for line in run.store.get(run.layout.rounds("federation")).decode().splitlines()]
+        runs[mode]["sim_ledger"] = state.privacy
+    runs["warm"]["cfg"] = warm_cfg
     return dict(runs=runs, folders=folders)
 
 
@@ -81,3 +105,19 @@ def test_local_mode_sites_release_only_their_noised_update(private_runs):
     assert all(line["reported"] == {} or all(not m for m in line["reported"].values()) for line in local)
     assert all(line["loss"] == 0 for line in local) and all(line["loss"] > 0 for line in central)
     assert central[-1]["privacy"]["clip"] != 1.0  # adaptive clipping moved the clip, from the norms the sites reported
+
+
+def test_a_private_warm_start_continues_the_versions_ledger_as_the_simulation_composes_it(private_runs):
+    runs = private_runs["runs"]
+    warm, cfg = runs["warm"], runs["warm"]["cfg"]
+    # the simulation's composition: the simulated central run's ledger, continued as a simulated warm start continues it
+    sim = starting_ledger(cfg, runs["central"]["sim_ledger"], "the central run", 4)
+    start = sim.epsilon()
+    expected = []
+    for _ in warm["rounds"]:
+        sim.spend(cfg.privacy.noise_multiplier, cfg.train.client_fraction)
+        expected.append(sim.epsilon())
+    fed_eps = [line["privacy"]["epsilon"] for line in warm["rounds"]]
+    print(f"warm start: epsilon from {start:.4f}, per round federation {fed_eps}, simulation {expected}")
+    assert fed_eps == pytest.approx(expected, rel=1e-9)
+    assert fed_eps[0] > runs["central"]["rounds"][-1]["privacy"]["epsilon"]  # the version's rounds count too
