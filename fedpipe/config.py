@@ -157,6 +157,49 @@ class RunSection(Section):
                                       "AWS_SECRET_ACCESS_KEY; in a cluster the storage Secret).", bare_is_host=False)
 
 
+class RobustConfig(Section):
+    """Robust aggregation (`fedpipe.algorithms.robust`): how the server combines a round's uploads when some clients
+    may send poisoned ones, for the methods whose aggregate is the plain weighted mean (FedAvg, FedProx, ...; `fedpipe
+    methods`). Every rule works on the clients' updates u_k = upload_k - global; median, trimmed mean and multi-Krum are
+    unweighted, as in their papers (the clients' reported sample counts do not enter). Off by default: rule=mean with no
+    norm_bound is FedAvg's weighted mean, unchanged. Refused with privacy.enabled (its clipping already bounds each
+    update, and its accountant assumes the plain noised sum) and with federation.secure_aggregation (the server never
+    sees one update)."""
+
+    rule: Literal["mean", "median", "trimmed_mean", "multi_krum"] = "mean"
+    """mean: the sample-weighted mean (FedAvg, McMahan et al. 2017, Algorithm 1). median: the coordinate-wise median
+    of the updates (Yin et al., ICML 2018, "Byzantine-robust distributed learning: towards optimal statistical rates",
+    Sec. 3, Option I). trimmed_mean: per coordinate, the largest and the smallest trim_fraction of the values dropped
+    and the rest averaged (Yin et al. 2018, Sec. 3, Option II). multi_krum: the krum_keep updates with the lowest Krum
+    scores averaged (Blanchard et al., NeurIPS 2017, "Machine learning with adversaries: Byzantine tolerant gradient
+    descent", Sec. 4 and multi-Krum in Sec. 5)."""
+    norm_bound: float | None = Field(None, gt=0, le=1e6)
+    """M: each update u_k is first scaled by min(1, M / ||u_k||_2), its L2 norm over every uploaded tensor, then
+    combined by `rule` (norm bounding, Sun et al. 2019, "Can you really backdoor federated learning?", Sec. 4).
+    None: no bound."""
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5)
+    """beta of rule=trimmed_mean, 0 <= beta < 0.5: floor(beta * n) of the n values are dropped at each end of every
+    coordinate (Yin et al. 2018, Definition 2), so at least one value always stays; 0 is the plain unweighted mean."""
+    byzantine: int = Field(1, ge=0, le=MAX_CLIENTS)
+    """f of rule=multi_krum: the malicious clients tolerated. Each update's score sums its squared L2 distances to its
+    n - f - 2 nearest other updates (Blanchard et al. 2017, Sec. 4); a round needs n > 2f + 2 uploads (else it fails,
+    naming the counts)."""
+    krum_keep: int | None = Field(None, ge=1, le=MAX_CLIENTS)
+    """m of rule=multi_krum: how many of the lowest-scored updates are averaged (m = 1 is Krum itself). None: n - f."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the server aggregates otherwise than FedAvg's weighted mean."""
+        return self.rule != "mean" or self.norm_bound is not None
+
+    def describe(self) -> str:
+        """The rule as `--set` would write it, e.g. train.robust.rule=median with train.robust.norm_bound=5."""
+        parts = [f"train.robust.rule={self.rule}"] if self.rule != "mean" else []
+        if self.norm_bound is not None:
+            parts.append(f"train.robust.norm_bound={self.norm_bound:g}")
+        return " with ".join(parts) or "train.robust.rule=mean"
+
+
 class TrainConfig(Section):
     """Federated rounds and local optimisation, shared by every method."""
 
@@ -197,6 +240,8 @@ class TrainConfig(Section):
     or `none` (random initial weights). The first phase starts from that version's global model and the
     clients' kept states (matched by client name); a model spec that differs is an error naming both.
     `promoted` is pinned to the version it names when the run starts, so it is part of the run's id."""
+    robust: RobustConfig = RobustConfig()
+    """Robust aggregation against poisoned uploads (see RobustConfig); off by default (FedAvg's weighted mean)."""
 
 
 class DropCheckConfig(Section):

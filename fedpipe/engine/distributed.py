@@ -8,7 +8,8 @@ rank 0 included, trains a share of each round's clients. Per round:
 2. every rank trains its clients (one by one or batched, `fedpipe.engine.clients`);
 3. when the algorithm declares the plain weighted mean for the phase (`uses_weighted_mean`: sample-weighted averaging, McMahan et al. 2017, Algorithm 1) the
    ranks all-reduce their weighted sums sum_k n_k * theta_k and sum_k n_k (float64), and no upload
-   travels; a method with its own aggregation gathers the uploads on rank 0 instead;
+   travels; a method with its own aggregation, or any method under a robust rule (`train.robust`: a median, a
+   trimmed mean, multi-Krum or a norm bound needs each update), gathers the uploads on rank 0 instead;
 4. rank 0 gathers the outcomes (new client states, statistics, failures).
 
 The result equals one process's within float64 rounding of the sum (`weighted_sum` adds in the
@@ -127,7 +128,8 @@ class DistributedRound:
 
     def __init__(self, group: Group, trainer: ClientTrainer):
         self.group, self.trainer = group, trainer
-        self.reduce = uses_weighted_mean(trainer.algorithm, trainer.phase)
+        # a robust rule (train.robust) needs each upload: the ranks gather them on rank 0 instead of all-reducing
+        self.reduce = uses_weighted_mean(trainer.algorithm, trainer.phase) and not trainer.train_cfg.robust.active
         # with privacy every rank holds its clients' clipped updates (`ClientTrainer.train`): their plain sum is
         # all-reduced, and rank 0 adds the noise (`fedpipe.engine.privacy`)
         self.private = trainer.privacy is not None

@@ -11,14 +11,16 @@ from typing import Protocol
 
 import torch
 
+from fedpipe.algorithms.aggregation import uses_weighted_mean
 from fedpipe.algorithms.base import Algorithm, Phase, Upload
+from fedpipe.algorithms.robust import PRIVACY_REFUSAL, robust_average, robust_problem
 from fedpipe.config import TrainConfig
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.accounting import Ledger, default_delta, epsilon_against_server
 from fedpipe.engine.clients import ClientOutcome, ClientWork, payload_bytes
 from fedpipe.engine.privacy import Privacy, poisson_sample, sum_updates
 from fedpipe.engine.state import PhaseState
-from fedpipe.errors import TrainingError
+from fedpipe.errors import ConfigError, TrainingError
 from fedpipe.seeding import torch_generator
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,9 @@ def run_phase(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     `train_round` trains each round's clients (in this process, `ClientTrainer.train`; a distributed
     phase passes rank 0's side of `fedpipe.engine.distributed.DistributedRound`). With `privacy`
     (a communicating phase), the phase ends early, cleanly, after the last round whose epsilon stays
-    within privacy.target_epsilon (`within_budget`); its final state is then that round's."""
+    within privacy.target_epsilon (`within_budget`); its final state is then that round's. A robust rule
+    (`train.robust`) that cannot apply to the phase, or privacy with one, is refused before the first round."""
+    check_robust(algorithm, phase, train, privacy)
     for cb in callbacks:
         cb.on_phase_start(phase, state)
     if privacy is not None and state.privacy is not None and state.privacy.clip is not None:
@@ -114,6 +118,16 @@ def run_phase(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     for cb in reversed(callbacks):
         cb.on_phase_end(phase, state)
     return state
+
+
+def check_robust(algorithm: Algorithm, phase: Phase, train: TrainConfig, privacy: Privacy | None = None) -> None:
+    """ConfigError when `train.robust` is active and the phase aggregates by a rule of the method's own
+    (`robust_problem`), or runs with privacy (`PRIVACY_REFUSAL`)."""
+    problem = robust_problem(algorithm, [phase], train.robust)
+    if problem:
+        raise ConfigError(f"{problem}.")
+    if privacy is not None and train.robust.active and phase.communicates:
+        raise ConfigError(f"{PRIVACY_REFUSAL}.")
 
 
 def ledger_of(privacy: Privacy, state: PhaseState, data: FederatedData) -> Ledger:
@@ -187,14 +201,32 @@ def run_round(algorithm: Algorithm, phase: Phase, data: FederatedData, state: Ph
     if private:
         _aggregate_private(algorithm, privacy, data, state, uploads, averaged, round_, result, norms)
     elif phase.communicates:
-        if averaged is not None:
-            state.server = algorithm.apply_average(state.server, averaged)
-        else:
-            state.server = algorithm.aggregate(phase, state.server, uploads)
+        state.server = _aggregate(algorithm, phase, state, train, uploads, averaged, round_)
     result.seconds = time.perf_counter() - t0
     state.round = round_
     state.phase = phase.name
     return result
+
+
+def _aggregate(algorithm: Algorithm, phase: Phase, state: PhaseState, train: TrainConfig, uploads: list[Upload],
+               averaged: dict | None, round_: int):
+    """The server state after a round without privacy: with train.robust active on a weighted-mean phase (`check_robust`),
+    the robust aggregate of the uploads (`fedpipe.algorithms.robust.robust_average`) applied by `apply_average` as the
+    weighted mean would be; else the ranks' all-reduced mean (`averaged`) applied, or the method's own `aggregate`."""
+    if train.robust.active and uses_weighted_mean(algorithm, phase):
+        if averaged is not None:  # a distributed phase gathers the uploads under a robust rule (`DistributedRound`)
+            raise TrainingError(f"Round {round_}: {train.robust.describe()} needs each upload, and only their mean came back.")
+        if not uploads:
+            return state.server
+        try:
+            robust = robust_average(state.server.global_params, [u.tensors for u in uploads], [u.num_samples for u in uploads],
+                                    train.robust)
+        except ValueError as e:
+            raise TrainingError(f"Round {round_} of phase {phase.name!r}: {e}. Nothing of this round was kept; the phase resumes from its last checkpoint when rerun.") from None
+        return algorithm.apply_average(state.server, robust)
+    if averaged is not None:
+        return algorithm.apply_average(state.server, averaged)
+    return algorithm.aggregate(phase, state.server, uploads)
 
 
 def _aggregate_private(algorithm: Algorithm, privacy: Privacy, data: FederatedData, state: PhaseState, uploads: list[Upload],

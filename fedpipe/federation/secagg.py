@@ -71,8 +71,10 @@ def workflow_of(cfg: SecureAggregationConfig, timeout: float) -> SecAggPlusWorkf
 
 def check_secure(spec: FederationSpec, algorithm: Algorithm, phase: Phase) -> None:
     """ConfigError unless the spec's method may run under SecAgg+ (a spec file is not necessarily from
-    `FederationSpec.from_run_config`, which refuses it already) and `phase` aggregates by the plain weighted mean."""
-    why = refusal(spec.method["name"], secure_aggregation=True)
+    `FederationSpec.from_run_config`, which refuses it already), `phase` aggregates by the plain weighted mean, and no
+    robust rule is asked for (train.robust: SecAgg+ hands the server only the sum)."""
+    # a robust rule (train.robust) needs each update, which SecAgg+ never shows the server: `refusal` says so
+    why = refusal(spec.method["name"], secure_aggregation=True, robust=spec.train_cfg.robust.active)
     if why:
         raise ConfigError(why)
     if phase.communicates and not uses_weighted_mean(algorithm, phase):

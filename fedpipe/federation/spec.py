@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 
 from fedpipe.algorithms import Algorithm, MethodConfig, build_algorithm, phases_of
 from fedpipe.algorithms.base import MethodParams, Phase
+from fedpipe.algorithms.robust import SECURE_AGGREGATION_REFUSAL
 from fedpipe.config import EngineConfig, FederationConfig, PrivacyConfig, TrainConfig
 from fedpipe.errors import ConfigError
 from fedpipe.federation.support import FEDERATED, NOT_YET, secure_refusal
@@ -26,10 +27,14 @@ from fedpipe.seeding import derive_seed
 SUPPORTED = tuple(FEDERATED)
 
 
-def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure_aggregation: bool = False) -> str | None:
+def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure_aggregation: bool = False,
+            robust: bool = False) -> str | None:
     """Why `method` cannot run federated yet (with `secure_aggregation`: under SecAgg+), in one line; None when it can.
     A `finetune` phase (`finetune_epochs` > 0) runs at the sites like any phase: each site fine-tunes, keeps the result
-    in its own store and evaluates it there (`client_app.evaluate`); only SecAgg+ rounds, which need an upload, refuse it."""
+    in its own store and evaluates it there (`client_app.evaluate`); only SecAgg+ rounds, which need an upload, refuse it.
+    `robust`: train.robust is active (a robust rule needs each update, which SecAgg+ never shows the server)."""
+    if robust and secure_aggregation:
+        return SECURE_AGGREGATION_REFUSAL
     if privacy and secure_aggregation:
         return ("privacy.enabled with federation.secure_aggregation is not federated yet: the server would need the sum of the "
                 "clipped updates, and SecAgg+ hands it the weighted mean; use one of them")
@@ -87,7 +92,8 @@ class FederationSpec:
     @classmethod
     def from_run_config(cls, cfg, input_shape: tuple[int, ...], num_classes: int, num_sites: int) -> FederationSpec:
         """From a `fedpipe.run.config.RunConfig` (in .venv, where the run config lives); refuses what is not federated yet."""
-        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs, cfg.federation.secure_aggregation.enabled)
+        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs, cfg.federation.secure_aggregation.enabled,
+                      cfg.train.robust.active)
         if why:
             raise ConfigError(why)
         return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
@@ -99,7 +105,8 @@ class FederationSpec:
     def for_sites(cls, cfg, num_sites: int, site_data: dict) -> FederationSpec:
         """For sites with their own files (`fedpipe.federation.own_data.site_params`): the data's shape, classes and
         (with model.name=auto) network come from the sites' census (`with_data`), not from data the server holds."""
-        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs, cfg.federation.secure_aggregation.enabled)
+        why = refusal(cfg.method.name, cfg.privacy.enabled, cfg.method.finetune_epochs, cfg.federation.secure_aggregation.enabled,
+                      cfg.train.robust.active)
         if why:
             raise ConfigError(why)
         return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),

@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from fedpipe.algorithms import MethodConfig
+from fedpipe.algorithms.robust import PRIVACY_REFUSAL, SECURE_AGGREGATION_REFUSAL
 from fedpipe.config import (
     MAX_BATCH,
     MAX_CLIENTS,
@@ -26,6 +27,7 @@ from fedpipe.config import (
     FederationConfig,
     PrivacyConfig,
     RegistryConfig,
+    RobustConfig,
     RunSection,
     Section,
     TelemetryConfig,
@@ -109,6 +111,15 @@ class RunConfig(Section):
             if isinstance(value, int) and value > bound:
                 raise ValueError(f"partition.{name}={value:,} is more than fedpipe's bound of {bound:,} "
                                  "(far above real use: check for a typo such as an extra zero)")
+        return self
+
+    @model_validator(mode="after")
+    def _robust_fits(self):
+        # a robust rule needs each update in the clear, without privacy's own bound and accountant (fedpipe.algorithms.robust)
+        if self.train.robust.active and self.privacy.enabled:
+            raise ValueError(PRIVACY_REFUSAL)
+        if self.train.robust.active and self.federation.secure_aggregation.enabled:
+            raise ValueError(SECURE_AGGREGATION_REFUSAL)
         return self
 
     @model_validator(mode="after")
@@ -202,7 +213,7 @@ DEFAULT_PARTITION = {"scheme": "pathological", "num_clients": 20}
 #: (section, field, unset value) of the fields added after runs were first made: left out of the
 #: fingerprint while unset, so upgrading fedpipe does not move existing runs to new ids.
 LATER_FIELDS = (("data", "source", None), ("data", "image_size", None), ("data", "snapshot", None), ("train", "init_from", "none"),
-               ("train", "select", "last"), ("train", "select_every", 1),
+               ("train", "select", "last"), ("train", "select_every", 1), ("train", "robust", RobustConfig().model_dump(mode="json")),
                ("eval", "candidates", "per_client"), ("eval", "split", "test"))
 
 #: Upper bounds of the partition schemes' size fields: a million clients is cross-device scale (the

@@ -18,6 +18,7 @@ import torch
 
 from fedpipe.algorithms import Algorithm, build_algorithm, phases_of
 from fedpipe.algorithms.base import Phase, ServerState
+from fedpipe.algorithms.robust import robust_problem
 from fedpipe.data import DatasetBundle
 from fedpipe.data.datasets import load_dataset
 from fedpipe.data.federated import FederatedData, Standardisation, prepare_data
@@ -107,7 +108,11 @@ class Run:  # size: a run's three steps and the building blocks they share (data
             model = build_model(self.cfg.model_name(self.bundle.input_shape), self.bundle.input_shape, self.bundle.num_classes)
         model = model.to(device or self.device)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        return build_algorithm(self.cfg.method, model, self.cfg.run.seed), initial
+        algorithm = build_algorithm(self.cfg.method, model, self.cfg.run.seed)
+        problem = robust_problem(algorithm, self.phases(), self.cfg.train.robust)  # before any phase starts (preflight)
+        if problem:
+            raise ConfigError(f"{problem}.")
+        return algorithm, initial
 
     def phases(self) -> list[Phase]:
         return phases_of(self.cfg.method, self.cfg.train.rounds)
