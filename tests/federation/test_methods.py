@@ -6,7 +6,8 @@ federated ones (fedpipe.federation.support.FEDERATED; the others were checked on
 issue 41's step): LG-FedAvg (only the global top layers travel, both ways; the local layers stay), Ditto (the global
 model travels; a personal model stays at each site) and pFedMB (the upload carries the branches and alpha: the server
 checks it against `Algorithm.upload_layout`, not the download; its finetune phase, off here to keep the module short,
-runs at the sites as FedAvg-FT's does).
+runs at the sites as FedAvg-FT's does). Ditto once more with a robust rule (the coordinate-wise median of norm-bounded
+updates, train.robust): the server's rule is the simulation's.
 
 The sites' folders are shared by the runs and every method keeps its state under the phase name `federation`: each
 state file names the run it belongs to (`Site.save_state`), so no run trains from another's state. LG-FedAvg's state
@@ -48,6 +49,8 @@ METHODS = {
     "lgfedavg": ["method.name=lgfedavg"],
     "ditto": ["method.name=ditto"],
     "pfedmb": ["method.name=pfedmb", "method.num_branches=3", "method.finetune_epochs=0"],  # its finetune phase: as fedavg_ft's
+    # a robust rule (fedpipe/algorithms/robust.py) runs in the federation's round as in the simulation's: one implementation
+    "ditto_median": ["method.name=ditto", "train.robust.rule=median", "train.robust.norm_bound=0.5"],
 }
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -177,3 +180,10 @@ def test_a_site_reads_only_its_runs_state(tmp_path):
     site.save_state("federation", {"w": torch.zeros(3)}, b)
     assert site.load_state("federation", torch.device("cpu"), (), a) is None  # b's run overwrote it
     assert set(site.load_state("finetune", torch.device("cpu"), ("federation",), b)) == {"w"}  # an earlier phase of b's run
+
+
+def test_the_robust_rule_is_applied_at_the_server(methods):
+    """Ditto with the median of norm-bounded updates is not Ditto's weighted mean (the equality above is not vacuous)."""
+    plain = safetensors.torch.load_file(str(methods["ditto"]["out"] / "global.safetensors"))
+    robust = safetensors.torch.load_file(str(methods["ditto_median"]["out"] / "global.safetensors"))
+    assert max(float((plain[k] - robust[k]).abs().max()) for k in plain) > 1e-3
