@@ -186,4 +186,4 @@ def test_the_robust_rule_is_applied_at_the_server(methods):
     """Ditto with the median of norm-bounded updates is not Ditto's weighted mean (the equality above is not vacuous)."""
     plain = safetensors.torch.load_file(str(methods["ditto"]["out"] / "global.safetensors"))
     robust = safetensors.torch.load_file(str(methods["ditto_median"]["out"] / "global.safetensors"))
-    assert max(float((plain[k] - robust[k]).abs().max()) for k in plain) > 1e-3
+    assert max(float((plain[k] - robust[k]).abs().max()) for k in plain) > 1e-5
