@@ -151,6 +151,8 @@ class Attacked:
         by_id = {w.client_id: w for w in works}
         honest = [o.upload for o in outcomes if o.upload is not None]
         for o in outcomes:
+            if o.upload is None:  # failed (non-finite weights once an attack made the global model diverge): left out
+                continue
             g = by_id[o.client_id].download
             if o.client_id >= self.malicious:
                 self.honest_norms.append(math.sqrt(sum(float(((o.upload[k] - g[k]) ** 2).sum()) for k in g)))
@@ -197,6 +199,7 @@ def one_run(seed: int, rounds: int, attack: str, malicious: int, defence: str, s
     from fedpipe.engine.clients import ClientTrainer
     from fedpipe.engine.rounds import run_phase
     from fedpipe.engine.state import PhaseState
+    from fedpipe.errors import TrainingError
     from fedpipe.run.config import load_config
     from fedpipe.run.privacy import phase_privacy
     from fedpipe.run.run import Run
@@ -215,11 +218,16 @@ def one_run(seed: int, rounds: int, attack: str, malicious: int, defence: str, s
     trainer = ClientTrainer(algorithm, phase, data, cfg.train, cfg.engine, seed)  # honest; privacy is applied after the attack
     attacked = Attacked(trainer, attack, malicious if attack != "none" else 0, defence == "census", privacy, white)
     state = PhaseState("fedavg", "init", 0, ServerState({k: v.clone() for k, v in initial.items()}), {})
-    state = run_phase(algorithm, phase, data, state, cfg.train, seed, attacked, privacy=privacy)
+    diverged = False
+    try:
+        state = run_phase(algorithm, phase, data, state, cfg.train, seed, attacked, privacy=privacy)
+    except TrainingError:  # every client failed: the attack drove the global model to non-finite weights
+        diverged = True
+    diverged = diverged or not all(bool(torch.isfinite(t).all()) for t in state.server.global_params.values())
     accuracy, backdoor = scores(algorithm, state.server.global_params, data, white)
     norms = sorted(attacked.honest_norms)
     return {"seed": seed, "attack": attack, "malicious": malicious if attack != "none" else 0, "defence": defence,
-            "rounds": rounds, "accuracy": accuracy, "backdoor": backdoor,
+            "rounds": rounds, "accuracy": accuracy, "backdoor": backdoor, "diverged": diverged, "round_reached": state.round,
             "honest_norm_median": norms[len(norms) // 2] if norms else None,
             "epsilon": state.privacy.epsilon() if state.privacy is not None else None,
             "seconds": time.perf_counter() - t0}
@@ -232,15 +240,23 @@ def _job(args) -> dict:
 # --- the report -------------------------------------------------------------------------------------------------------
 #: What the papers report where their setting is comparable (approximate, read from their figures and tables).
 PAPERS = {
-    "model_replacement": "Bagdasaryan et al. 2020 (CIFAR-10, 1 attacker of 10 per round, single-shot): backdoor accuracy "
-                         "about 100% right after the replacement round, main accuracy barely moved; Sun et al. 2019 (EMNIST): "
-                         "norm bounding brings a scaled attacker's backdoor success down to roughly the unscaled attacker's",
-    "alie": "Baruch et al. 2019 (MNIST, n = 50, 24% malicious): accuracy falls by about 10-50 points under trimmed mean, "
-            "Krum and Bulyan (their Table 1); without a defence, FedAvg's mean is moved by z_max sigma per coordinate",
-    "sign_flip": "Blanchard et al. 2017 / Yin et al. 2018: one omniscient attacker ruins the plain mean (accuracy to chance); "
-                 "Krum and the median keep it near the clean accuracy",
-    "inflated_count": "no paper figure: the attacker's model wins the weighted mean (weight 10^6 against about 3,500 honest "
-                      "samples), i.e. model replacement through the reported count",
+    "inflated_count": "no paper figure: the claimed 10^6 samples outweigh the honest clients' ~3,500 together, so the "
+                      "weighted mean is the attacker's model (model replacement through the count). Norm bounding does not "
+                      "help (the bound applies to the update, the weight stays); census weights and the unweighted rules do "
+                      "remove the weight, but an unscaled backdoor sent every round still plants itself under census weights",
+    "model_replacement": "Bagdasaryan et al. 2020 (CIFAR-10 and word prediction, one attacker selected in one round, gamma = "
+                         "n / eta): backdoor accuracy about 100% right after the replacement round with the main task "
+                         "barely moved. Here, attacking every round: 99-100% backdoor, and the scaled uploads also cost "
+                         "main accuracy. Sun et al. 2019 (EMNIST, 3,383 users, 30 a round): norm bounding stops most of a "
+                         "few attackers' backdoor at little main-task cost; here, with 1 of 10 attacking every round, it "
+                         "brings the backdoor from 99% to about 76% at M = 1",
+    "sign_flip": "Blanchard et al. 2017 (Lemma 1): a single Byzantine client can move a linear rule such as the mean anywhere; "
+                 "here one flipped update scaled by 10 makes FedAvg diverge. Krum's guarantee needs n > 2f + 2, which "
+                 "multi-Krum with f = 3 of 10 meets; it holds at both fractions",
+    "alie": "Baruch et al. 2019 (MNIST and CIFAR-10, n = 50 with 12 malicious: z_max = Phi^-1(0.72) = 0.58 by their "
+            "formula): accuracy drops of tens of points against trimmed mean, Krum and Bulyan (their Table 1, approximate). "
+            "Here n = 10 gives z_max = 0 for 1 attacker (no attack at all) and 0.52 for 3: a few points against the median "
+            "(-5) and the trimmed mean (-3), none against FedAvg's mean",
 }
 
 
@@ -255,9 +271,43 @@ def table(rows: list[dict]) -> str:
         cells = []
         for d in DEFENCES:
             got = [r for r in rows if r["attack"] == attack and r["malicious"] == m and r["defence"] == d]
-            cells.append(f"{100 * mean_of(got, 'accuracy'):.1f} / {100 * mean_of(got, 'backdoor'):.1f}" if got else "-")
+            mark = " (d)" if any(r["diverged"] for r in got) else ""
+            cells.append(f"{100 * mean_of(got, 'accuracy'):.1f} / {100 * mean_of(got, 'backdoor'):.1f}{mark}" if got else "-")
         lines.append(f"| {attack} | {m}/{NUM_CLIENTS} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def cell(rows: list[dict], attack: str, m: int, defence: str) -> tuple[float, float, bool] | None:
+    """(accuracy, backdoor success, any seed diverged) of one cell, means over the seeds; None when not run."""
+    got = [r for r in rows if (r["attack"], r["malicious"], r["defence"]) == (attack, m, defence)]
+    return (mean_of(got, "accuracy"), mean_of(got, "backdoor"), any(r["diverged"] for r in got)) if got else None
+
+
+def reading(rows: list[dict]) -> list[str]:
+    """The table in sentences, computed from it: how far each attack gets without a defence, what each defence costs
+    without an attack, and which defences hold each attack (backdoor success under 10%, accuracy within 10 points of clean)."""
+    clean = cell(rows, "none", 0, "none")
+    if clean is None:
+        return []
+    out = ["## Reading", "", f"Without a defence (clean FedAvg: {100 * clean[0]:.1f}% accuracy, {100 * clean[1]:.1f}% on the pattern):"]
+    for a in ATTACKS:
+        for m in FRACTIONS:
+            got = cell(rows, a, m, "none")
+            if got:
+                what = ("the global model diverged (non-finite weights): accuracy at chance" if got[2] else
+                        f"accuracy {100 * got[0]:.1f}% ({100 * (got[0] - clean[0]):+.1f} points), backdoor {100 * got[1]:.1f}%")
+                out.append(f"- {a}, {m}/{NUM_CLIENTS} malicious: {what}.")
+    out += ["", "What each defence costs without an attack (accuracy against clean FedAvg's):"]
+    for d in DEFENCES[1:]:
+        got = cell(rows, "none", 0, d)
+        if got:
+            out.append(f"- {d}: {100 * got[0]:.1f}% ({100 * (got[0] - clean[0]):+.1f} points).")
+    out += ["", "Which defences hold (backdoor success under 10% and accuracy within 10 points of clean FedAvg's):"]
+    for a in ATTACKS:
+        for m in FRACTIONS:
+            held = [d for d in DEFENCES if (c := cell(rows, a, m, d)) and not c[2] and c[1] < 0.10 and c[0] >= clean[0] - 0.10]
+            out.append(f"- {a}, {m}/{NUM_CLIENTS}: {', '.join(held) or 'none of them'}.")
+    return out + [""]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -266,20 +316,27 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = [(a, m) for a in ATTACKS for m in FRACTIONS]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    short = {"none": "no attack", "inflated_count": "inflated\ncount", "model_replacement": "model\nreplacement",
+             "sign_flip": "sign\nflip", "alie": "ALIE"}
+    cases = [("none", 0)] + [(a, m) for a in ATTACKS for m in FRACTIONS]
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7.5), sharex=True)
     width = 0.8 / len(DEFENCES)
     for ax, key, title in ((axes[0], "accuracy", "main-task accuracy (%)"), (axes[1], "backdoor", "backdoor success (%)")):
         for j, d in enumerate(DEFENCES):
-            values = [100 * mean_of([r for r in rows if (r["attack"], r["malicious"], r["defence"]) == (a, m, d)], key)
-                      if any((r["attack"], r["malicious"], r["defence"]) == (a, m, d) for r in rows) else 0 for a, m in cases]
+            values = []
+            for a, m in cases:
+                got = [r for r in rows if (r["attack"], r["malicious"], r["defence"]) == (a, m, d)]
+                # a diverged model's backdoor figure means nothing (NaN weights predict class 0): no bar
+                skip = not got or (key == "backdoor" and any(r["diverged"] for r in got))
+                values.append(float("nan") if skip else 100 * mean_of(got, key))
             ax.bar([i + j * width for i in range(len(cases))], values, width, label=d)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-        ax.set_xticklabels([f"{a}\n{m}/{NUM_CLIENTS}" for a, m in cases], fontsize=7)
-        ax.set_title(title)
+        ax.set_ylabel(title)
         ax.set_ylim(0, 100)
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle("FedAvg on mnist5k, 10 clients: attacks and defences (mean over seeds)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    axes[1].set_xticklabels([f"{short[a]}\n{m}/{NUM_CLIENTS}" for a, m in cases], fontsize=8)
+    axes[0].legend(fontsize=8, ncol=len(DEFENCES), loc="lower center", bbox_to_anchor=(0.5, 1.0), title="defence")
+    fig.suptitle("FedAvg on mnist5k, 10 clients: attacks and defences (mean over seeds; no backdoor bar where the model diverged)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -287,7 +344,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write(rows: list[dict], out: Path, args, seconds: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attacks.json").write_text(json.dumps(rows, indent=1))
+    meta = {"seconds": seconds, "jobs": args.jobs, "rounds": args.rounds, "seeds": args.seeds}
+    (out / "attacks.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "attacks.png")
     clean = [r for r in rows if r["attack"] == "none" and r["defence"] == "none"]
     norms = [r["honest_norm_median"] for r in rows if r["honest_norm_median"] is not None]
@@ -297,13 +355,15 @@ def write(rows: list[dict], out: Path, args, seconds: float) -> None:
         "",
         f"FedAvg on mnist5k, Dirichlet label skew (alpha 0.3) over {NUM_CLIENTS} clients (all every round), the 2NN, {args.rounds} rounds of 1 "
         f"local epoch (batch 20, lr 0.01, momentum 0.9), seeds {', '.join(map(str, args.seeds))}; the malicious clients attack every round. "
-        f"{len(rows)} runs in {seconds / 60:.1f} min on {args.jobs} process(es) of one thread ({platform.processor() or platform.machine()}). "
-        "Rounds are few so that the whole grid runs in about 25 minutes on 2 cores: the clean accuracy is below what longer "
-        "training reaches.",
+        f"{len(rows)} runs in {seconds / 60:.1f} min on {args.jobs} process(es) of one thread ({platform.machine()}, 2 shared cores). "
+        "The rounds are few (the papers run hundreds) so that the whole grid fits a laptop's quarter of an hour: the clean "
+        "accuracy is below what longer training reaches, and a backdoor has 20 rounds to be planted, not to fade.",
         "",
         "Each cell: main-task accuracy / backdoor success, in %, mean over the seeds. Backdoor success is the share of "
         f"the stamped non-target test images classified as class {TARGET}; without an attack it is the clean model's "
-        "rate on the pattern (the floor).",
+        "rate on the pattern (the floor). (d): in at least one seed the global model diverged (its weights went "
+        "non-finite and every client failed; the run stops there and is scored as it stood: a model of NaNs predicts "
+        f"class {TARGET} everywhere, so its backdoor figure means nothing).",
         "",
         table(rows),
         "",
@@ -312,11 +372,13 @@ def write(rows: list[dict], out: Path, args, seconds: float) -> None:
         "Settings: census = weights from the known split sizes (the reported counts ignored); norm_bound M = "
         f"{NORM_BOUND:g} (the honest updates' median L2 norm was {statistics.median(norms):.2f} over all runs); trimmed_mean "
         f"beta = 0.3; multi_krum f = 3, m = 7; privacy: clip {CLIP:g}, noise multiplier {NOISE:g}, central"
-        + (f" (epsilon after {args.rounds} rounds: {statistics.median(eps):.3g}, delta 1e-5 order: weak DP, no meaningful "
-           "guarantee, chosen as Sun et al.'s weak-DP defence)" if eps else "") + ".",
+        + (f" (epsilon after {args.rounds} rounds {statistics.median(eps):.3g} at delta 1e-5: no meaningful guarantee; the "
+           "noise of Sun et al.'s weak-DP defence, with the clip applied to the attackers' uploads too)" if eps else "") + ".",
         f"Clean FedAvg: {100 * mean_of(clean, 'accuracy'):.1f}% accuracy." if clean else "",
         "",
-        "## Beside the papers (approximate, from their figures and tables; their settings differ)",
+        *reading(rows),
+        "## Beside the papers (their figures approximate, from their text and tables; their settings differ; the figures "
+        "quoted for this benchmark are those of the run of 2026-11-29)",
         "",
         *[f"- {a}: {PAPERS[a]}." for a in ATTACKS],
         "",
@@ -332,19 +394,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
     ap.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--report-only", action="store_true", help="rewrite attacks.md and attacks.png from OUT/attacks.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        saved = json.loads((args.out / "attacks.json").read_text())
+        for key in ("jobs", "rounds", "seeds"):
+            setattr(args, key, saved["meta"][key])
+        write(saved["rows"], args.out, args, saved["meta"]["seconds"])
+        return
     store = tempfile.mkdtemp(prefix="fedpipe-attacks-")
     jobs = [(s, args.rounds, "none", 0, d, store) for s in args.seeds for d in args.defences]
     jobs += [(s, args.rounds, a, m, d, store) for s in args.seeds for a in args.attacks for m in FRACTIONS for d in args.defences]
     t0 = time.perf_counter()
     rows = []
-    with ProcessPoolExecutor(args.jobs) as pool:
+    partial = args.out / "attacks.partial.jsonl"  # every finished run, as it finishes (deleted once the report is written)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(args.jobs) as pool, partial.open("a") as log:
         for row in pool.map(_job, jobs):
             rows.append(row)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
             print(f"[{len(rows)}/{len(jobs)} {time.perf_counter() - t0:.0f}s] seed {row['seed']} {row['attack']} "
                   f"{row['malicious']}/{NUM_CLIENTS} {row['defence']}: accuracy {row['accuracy']:.3f} backdoor "
                   f"{row['backdoor']:.3f} ({row['seconds']:.1f}s)", file=sys.stderr, flush=True)
     write(rows, args.out, args, time.perf_counter() - t0)
+    partial.unlink()
     print(f"wrote {args.out / 'attacks.md'}, attacks.json and attacks.png", file=sys.stderr)
 
 

@@ -32,7 +32,7 @@ from fedpipe.engine.rounds import run_phase, run_round
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, TrainingError
-from fedpipe.federation.spec import refusal
+from fedpipe.federation.spec import FederationSpec, refusal
 from fedpipe.nn.networks import build_model
 from fedpipe.run.config import load_config
 
@@ -186,6 +186,13 @@ def test_privacy_and_secure_aggregation_are_refused(tmp_path):
     # the server's own check of a spec (fedpipe.federation.secagg.check_secure goes through `refusal`)
     assert "SecAgg+ hides each single update" in refusal("fedavg", secure_aggregation=True, robust=True)
     assert refusal("fedavg", secure_aggregation=True) is None and refusal("fedavg", robust=True) is None
+
+
+def test_the_rule_travels_to_the_federations_server_in_the_spec():
+    spec = FederationSpec.from_run_config(load_config(None, ["method.name=fedavg", "train.robust.rule=median"]), (1, 28, 28), 10, 4)
+    assert spec.train_cfg.robust.rule == "median"
+    # off, the spec is what it was before train.robust existed (a federation's checkpoints are matched by its fingerprint)
+    assert "robust" not in FederationSpec.from_run_config(load_config(None, ["method.name=fedavg"]), (1, 28, 28), 10, 4).train
 
 
 def test_the_config_bounds_and_the_cli_syntax():

@@ -49,6 +49,15 @@ def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure
     return None
 
 
+def train_dump(train: TrainConfig) -> dict:
+    """The train section as the spec carries it: `robust` only when active, so that a spec (and the fingerprint its
+    checkpoints are matched by, `fedpipe.federation.resume`) made before train.robust existed stays the same."""
+    dumped = train.model_dump(mode="json")
+    if not train.robust.active:
+        dumped.pop("robust")
+    return dumped
+
+
 def _effective_privacy(cfg, num_sites: int) -> dict:
     """The run's privacy section as it applies it (in .venv: `fedpipe.run.privacy.effective`, with the noise multiplier
     calibrated to target_epsilon over the sites), dumped; {} when privacy is off."""
@@ -96,7 +105,7 @@ class FederationSpec:
                       cfg.train.robust.active)
         if why:
             raise ConfigError(why)
-        return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
+        return cls(cfg.method.model_dump(mode="json"), train_dump(cfg.train), cfg.engine.model_dump(mode="json"),
                    cfg.run.seed, cfg.model_name(tuple(input_shape)), list(input_shape), num_classes, num_sites,
                    threads=cfg.run.threads or 1, federation=cfg.federation.model_dump(mode="json"),
                    privacy=_effective_privacy(cfg, num_sites))
@@ -109,7 +118,7 @@ class FederationSpec:
                       cfg.train.robust.active)
         if why:
             raise ConfigError(why)
-        return cls(cfg.method.model_dump(mode="json"), cfg.train.model_dump(mode="json"), cfg.engine.model_dump(mode="json"),
+        return cls(cfg.method.model_dump(mode="json"), train_dump(cfg.train), cfg.engine.model_dump(mode="json"),
                    cfg.run.seed, cfg.model.name, [], 0, num_sites, threads=cfg.run.threads or 1,
                    federation=cfg.federation.model_dump(mode="json"), site_data=site_data, privacy=_effective_privacy(cfg, num_sites))
 
