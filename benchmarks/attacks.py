@@ -26,8 +26,9 @@ every client trains honestly (`ClientTrainer`), then the malicious clients' outc
   (all n clients trained honestly first: the attackers are taken to know them), z_max = Phi^-1((n - s) / n) with
   s = floor(n / 2 + 1) - a. For n = 10, a = 1 that is z_max = 0 (the attack degenerates to the mean), for a = 3 0.52.
 
-The defences: `none` (FedAvg, weights the reported counts); `census` (the server weighs by the counts it knows, the
-training-split sizes, as a federation with the census does: modelled here by replacing the reported counts);
+The defences: `none` (FedAvg, weights the reported counts); `census` (fedpipe's federation rule, the library's own
+`fedpipe.federation.census.vouched_samples`: each client's weight is the count its census fixed, its training-split
+size, and a reply stating another count is refused, so that client is left out of the round);
 `norm_bound` (train.robust.norm_bound, Sun et al. 2019); `median`, `trimmed_mean` (beta = 0.3: Yin et al. need beta
 at least the malicious fraction) and `multi_krum` (f = 3, m = n - f) of train.robust; and `privacy` (privacy.enabled,
 central DP-FedAvg: each update clipped to privacy.clip and Gaussian noise on the sum; seeded noise). A malicious client
@@ -37,6 +38,13 @@ that clips would (fedpipe clips on the client side of the round: an honest clien
 Main-task accuracy: the final global model on the clean global test set. Backdoor success: the fraction of the global
 test images not of the target class that, stamped with the pattern, the final global model classifies as the target.
 Results: OUT/attacks.md (means over the seeds), OUT/attacks.json (every run) and OUT/attacks.png.
+
+`--federation` adds one cell run on a loopback federation (SuperLink and one site process per client, TLS, registered
+keys: `fedpipe.federation.tryout.LoopbackFederation`; the Flower environment of scripts/flower-env.sh): the inflated
+count, 1 of 10, seed 0. Its attacker is the tests' fault injector (a site started with FEDPIPE_TEST_FAULT_INJECTOR=
+samples-huge states 10^6 samples), the defence the census the federation always takes. The simulation's cell of the
+same seed runs beside it, and the two global models must agree (the loopback tolerance, rtol 1e-5): OUT/attacks.md's
+last section.
 """
 
 from __future__ import annotations
@@ -55,7 +63,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 ATTACKS = ("inflated_count", "model_replacement", "sign_flip", "alie")
 DEFENCES = ("none", "census", "norm_bound", "median", "trimmed_mean", "multi_krum", "privacy")
 FRACTIONS = (1, 3)  # malicious clients of NUM_CLIENTS
@@ -140,6 +149,7 @@ class Attacked:
     noises) every upload after the attack."""
 
     def __init__(self, trainer, attack: str, malicious: int, census: bool, privacy, white: float):
+        """`census`: fedpipe's federation rule (`fedpipe.federation.census.vouched_samples`)."""
         self.trainer, self.attack, self.malicious, self.census, self.privacy = trainer, attack, malicious, census, privacy
         self.white = white
         self.honest_norms: list[float] = []
@@ -159,8 +169,15 @@ class Attacked:
             elif self.attack != "none":
                 o.upload, o.num_samples = self._malicious(o, g, honest, round_, lr)
         if self.census:
+            from fedpipe.federation.census import ClaimRefused, Samples, vouched_samples
+
             for o in outcomes:
-                o.num_samples = len(self.trainer.by_id[o.client_id].train)
+                data = self.trainer.by_id[o.client_id]
+                counted = Samples(train=len(data.train), test=len(data.test))
+                try:
+                    o.num_samples = vouched_samples(f"client {o.client_id}", counted, {"num-samples": o.num_samples}, private=False)
+                except ClaimRefused as e:
+                    o.upload, o.error = None, f"UploadRejected: {e}"
         if self.privacy is not None:
             privatize(self.privacy, works, outcomes, round_)
         return outcomes, None
@@ -192,7 +209,8 @@ def scores(algorithm, params: Params, data, white: float) -> tuple[float, float]
     return float((clean == y).double().mean()), float((stamped == TARGET).double().mean())
 
 
-def one_run(seed: int, rounds: int, attack: str, malicious: int, defence: str, store: str) -> dict:
+def one_run(seed: int, rounds: int, attack: str, malicious: int, defence: str, store: str, keep: bool = False) -> dict:
+    """One cell's run; `keep`: the row also holds the final global model ("params") and the scorer ("score")."""
     from fedpipe.algorithms.base import ServerState
     from fedpipe.data.federated import prepare_data
     from fedpipe.data.partition import make_partition
@@ -230,7 +248,36 @@ def one_run(seed: int, rounds: int, attack: str, malicious: int, defence: str, s
             "rounds": rounds, "accuracy": accuracy, "backdoor": backdoor, "diverged": diverged, "round_reached": state.round,
             "honest_norm_median": norms[len(norms) // 2] if norms else None,
             "epsilon": state.privacy.epsilon() if state.privacy is not None else None,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0,
+            **({"params": state.server.global_params, "score": lambda p: scores(algorithm, p, data, white)} if keep else {})}
+
+
+def federation_cell(seed: int, rounds: int, env: Path, work: Path) -> dict:
+    """The inflated count, 1 of 10, under the census, on a loopback federation beside the simulation's same cell."""
+    import safetensors.torch
+
+    from fedpipe.federation.faults import FAULT_INJECTOR_ENV
+    from fedpipe.federation.tryout import LoopbackFederation, prepare
+    from fedpipe.run.config import load_config
+
+    sim = one_run(seed, rounds, "inflated_count", 1, "census", str(work / "sim-store"), keep=True)
+    cfg = load_config(None, [*BASE, f"train.rounds={rounds}", f"run.seed={seed}", f"run.store={work / 'store'}", "run.device=cpu",
+                             "run.threads=1", "run.id=attacks-federation"])
+    spec_file, folders = prepare(cfg, work / "sites")
+    t0 = time.perf_counter()
+    with LoopbackFederation(work / "fed", env) as fed:
+        for folder in folders:  # client 0 is the simulation's attacker: it states 10^6 samples every round
+            fed.start_site(folder, env={FAULT_INJECTOR_ENV: "samples-huge"} if folder.name.endswith("-0") else None)
+        fed.run(spec_file, work / "out", timeout=3600)
+    seconds = time.perf_counter() - t0
+    params = safetensors.torch.load_file(str(work / "out" / "global.safetensors"))
+    rounds_log = [json.loads(line) for line in (work / "out" / "rounds.jsonl").read_text().splitlines()]
+    refused = sum(1 for r in rounds_log for e in r["rejected"] if e["client"] == 0 and "census counted" in e["error"])
+    accuracy, backdoor = sim["score"](params)
+    diff = max(float((params[k] - sim["params"][k].cpu()).abs().max()) for k in params)
+    return {"seed": seed, "rounds": rounds, "simulation": {"accuracy": sim["accuracy"], "backdoor": sim["backdoor"]},
+            "federation": {"accuracy": accuracy, "backdoor": backdoor, "seconds": seconds}, "max_abs_difference": diff,
+            "rounds_refused": refused, "sites": len(folders)}
 
 
 def _job(args) -> dict:
@@ -242,8 +289,8 @@ def _job(args) -> dict:
 PAPERS = {
     "inflated_count": "no paper figure: the claimed 10^6 samples outweigh the honest clients' ~3,500 together, so the "
                       "weighted mean is the attacker's model (model replacement through the count). Norm bounding does not "
-                      "help (the bound applies to the update, the weight stays); census weights and the unweighted rules do "
-                      "remove the weight, but an unscaled backdoor sent every round still plants itself under census weights",
+                      "help (the bound applies to the update, the weight stays); the census refuses the claimant's reply "
+                      "outright (weight and upload), and the unweighted rules remove the weight",
     "model_replacement": "Bagdasaryan et al. 2020 (CIFAR-10 and word prediction, one attacker selected in one round, gamma = "
                          "n / eta): backdoor accuracy about 100% right after the replacement round with the main task "
                          "barely moved. Here, attacking every round: 99-100% backdoor, and the scaled uploads also cost "
@@ -342,6 +389,25 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def federation_section(out: Path) -> list[str]:
+    """attacks.md's section on the loopback federation's cell (`--federation`), when it was run."""
+    path = out / "attacks_federation.json"
+    if not path.exists():
+        return []
+    c = json.loads(path.read_text())
+    sim, fed = c["simulation"], c["federation"]
+    return ["## The same cell on a loopback federation", "",
+            f"The inflated count, 1 of {c['sites']} malicious, seed {c['seed']}, {c['rounds']} rounds, on a loopback federation "
+            f"(a SuperLink and {c['sites']} site processes, TLS and registered keys): site 0 states 10^6 training samples in every "
+            "reply (the tests' fault injector), and the server refuses it by the census's count in "
+            f"{c['rounds_refused']} of {c['rounds']} rounds.", "",
+            "| | accuracy | backdoor success |", "| --- | ---: | ---: |",
+            f"| simulation (census) | {100 * sim['accuracy']:.2f}% | {100 * sim['backdoor']:.2f}% |",
+            f"| federation | {100 * fed['accuracy']:.2f}% | {100 * fed['backdoor']:.2f}% |", "",
+            f"The two global models differ by at most {c['max_abs_difference']:.2g} in any weight (the loopback tolerance is "
+            f"rtol 1e-5); the federation took {fed['seconds']:.0f} s on 2 cores.", ""]
+
+
 def write(rows: list[dict], out: Path, args, seconds: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"seconds": seconds, "jobs": args.jobs, "rounds": args.rounds, "seeds": args.seeds}
@@ -369,7 +435,8 @@ def write(rows: list[dict], out: Path, args, seconds: float) -> None:
         "",
         "![attacks](attacks.png)",
         "",
-        "Settings: census = weights from the known split sizes (the reported counts ignored); norm_bound M = "
+        "Settings: census = fedpipe's federation rule (weights are the counts the census fixed; a reply stating "
+        "another is refused, its client left out of the round); norm_bound M = "
         f"{NORM_BOUND:g} (the honest updates' median L2 norm was {statistics.median(norms):.2f} over all runs); trimmed_mean "
         f"beta = 0.3; multi_krum f = 3, m = 7; privacy: clip {CLIP:g}, noise multiplier {NOISE:g}, central"
         + (f" (epsilon after {args.rounds} rounds {statistics.median(eps):.3g} at delta 1e-5: no meaningful guarantee; the "
@@ -382,6 +449,7 @@ def write(rows: list[dict], out: Path, args, seconds: float) -> None:
         "",
         *[f"- {a}: {PAPERS[a]}." for a in ATTACKS],
         "",
+        *federation_section(out),
     ]
     (out / "attacks.md").write_text("\n".join(text))
 
@@ -395,8 +463,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--defences", nargs="+", default=list(DEFENCES), choices=DEFENCES)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--report-only", action="store_true", help="rewrite attacks.md and attacks.png from OUT/attacks.json")
+    ap.add_argument("--federation", action="store_true", help="also run the inflated-count cell (1 of 10, seed 0, census) on "
+                    "a loopback federation beside its simulation (needs the Flower environment: scripts/flower-env.sh)")
+    ap.add_argument("--federation-only", action="store_true", help="run only that cell; the grid's rows stay as they are")
+    ap.add_argument("--env", type=Path, default=ROOT / ".cache" / "flower-venv", help="the Flower environment (scripts/flower-env.sh)")
     args = ap.parse_args(argv)
-    if args.report_only:
+    if args.federation or args.federation_only:
+        if not (args.env / "bin" / "python").exists():
+            sys.exit(f"no Flower environment at {args.env}: run scripts/flower-env.sh first (about 1-3 minutes), or pass --env")
+        cell = federation_cell(0, args.rounds, args.env, Path(tempfile.mkdtemp(prefix="fedpipe-attacks-federation-")))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "attacks_federation.json").write_text(json.dumps(cell, indent=1))
+        print(f"federation cell: {cell}", file=sys.stderr)
+    if args.report_only or args.federation_only:
         saved = json.loads((args.out / "attacks.json").read_text())
         for key in ("jobs", "rounds", "seeds"):
             setattr(args, key, saved["meta"][key])

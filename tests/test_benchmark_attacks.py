@@ -61,11 +61,12 @@ def test_the_stamp_whitens_the_bottom_right_3x3_only():
 def test_the_wrapper_replaces_only_the_malicious_outcomes():
     from fedpipe.engine.clients import ClientOutcome, ClientWork
 
-    class Trainer:  # the ClientTrainer surface the wrapper uses
-        by_id = {c: type("C", (), {"train": [0] * (10 + c)})() for c in range(4)}
+    class Trainer:  # the ClientTrainer surface the wrapper uses; client 0 states 10^6 samples, the others their own
+        by_id = {c: type("C", (), {"train": [0] * (10 + c), "test": [0] * 4})() for c in range(4)}
 
         def _train(self, works, round_, lr):
-            return [ClientOutcome(w.client_id, 100, {k: v + 1 for k, v in w.download.items()}) for w in works]
+            return [ClientOutcome(w.client_id, 10**6 if w.client_id == 0 else 10 + w.client_id,
+                                  {k: v + 1 for k, v in w.download.items()}) for w in works]
 
     works = [ClientWork(c, G, None) for c in range(4)]
     outcomes, averaged = attacks.Attacked(Trainer(), "sign_flip", 1, census=False, privacy=None, white=1.0)(1, 0.1, works)
@@ -73,4 +74,6 @@ def test_the_wrapper_replaces_only_the_malicious_outcomes():
     assert outcomes[0].upload["w"].tolist() == [1.0 - 10.0, -1.0 - 10.0]  # gamma = 10 / 1
     assert all(o.upload["w"].tolist() == [2.0, 0.0] for o in outcomes[1:])
     census, _ = attacks.Attacked(Trainer(), "none", 0, census=True, privacy=None, white=1.0)(1, 0.1, works)
-    assert [o.num_samples for o in census] == [10, 11, 12, 13]
+    # the census (fedpipe's federation rule): client 0's reply states 10^6 against its 10 and is refused; the others stand
+    assert census[0].upload is None and "census counted 10" in census[0].error
+    assert [(o.num_samples, o.error) for o in census[1:]] == [(11, None), (12, None), (13, None)]
