@@ -331,3 +331,19 @@ def test_an_unset_flag_keeps_the_environments_deployment_value(monkeypatch):
     options = DeployOptions.from_env(s3_endpoint=None, s3_secret=None, pushgateway="http://pgw:9091")
     assert (options.s3_endpoint, options.s3_secret, options.pushgateway) == ("http://seaweedfs.kubeflow:8333", "team-s3", "http://pgw:9091")
     assert DeployOptions.from_env(s3_secret="flag-wins").s3_secret == "flag-wins"
+
+
+def test_the_task_check_keeps_kfps_behaviour_without_its_stack_walk():
+    """pipelines/builder.py replaces kfp's `PipelineTask._ensure_container_spec_exists` (an `inspect.stack()` per resource
+    setter: minutes of the suite's time) by the same check: a task without a container spec still refuses, naming the
+    setter, and a container task takes the setting."""
+    from kfp import dsl
+    from kfp.dsl.pipeline_task import TaskState
+
+    from fedpipe.pipelines.builder import _ensure_container_spec_exists
+
+    assert dsl.PipelineTask._ensure_container_spec_exists is _ensure_container_spec_exists
+    task = dsl.PipelineTask.__new__(dsl.PipelineTask)
+    task.container_spec, task.state = None, TaskState.FUTURE
+    with pytest.raises(ValueError, match="^set_cpu_limit can only be used on single-step components"):
+        task.set_cpu_limit("1")
