@@ -57,7 +57,7 @@ def policed(tmp_path_factory, flower_env):
     manifest, _ = init_manifest(str(pooled))
     write_manifest(str(pooled), manifest)
     folders = {}
-    with LoopbackFederation(work / "fed", flower_env) as fed:
+    with LoopbackFederation(work / "fed", flower_env, server_root=work) as fed:
         for (name, policy), hospital in zip(POLICIES.items(), SITES):
             files = work / "sites" / name / "files"
             shutil.copytree(pooled / hospital, files / hospital)
