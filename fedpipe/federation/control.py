@@ -66,9 +66,11 @@ def make_token(folder: str | Path) -> Path:
     return path
 
 
-def read_token(path: str | Path | None) -> str:
-    """The token in `path`; ControlTokenError when there is none, it is shorter than MIN_TOKEN characters, or the file is
-    readable by every user (a Kubernetes Secret volume mounted with mode 0440 for the pod's group is fine)."""
+def read_token(path: str | Path | None, private: bool = True) -> str:
+    """The token in `path`; ControlTokenError when there is none, it is shorter than MIN_TOKEN characters, or (`private`:
+    the SuperLink's side) the file is readable by every user (a Kubernetes Secret volume mounted with mode 0440 for the
+    pod's group is fine). A submitter's copy is not checked for its mode: KFP mounts a task's Secret volume 0644, inside
+    a container of its own."""
     if not path:
         raise ControlTokenError(f"{TOKEN_ENV} is not set: the SuperLink's Control API needs the operator's token "
                                 "(the try-out makes one; on a cluster the chart's control Secret holds it)")
@@ -78,7 +80,7 @@ def read_token(path: str | Path | None) -> str:
         token = path.read_text().strip()
     except OSError as e:
         raise ControlTokenError(f"{TOKEN_ENV}={path}: cannot read the Control API token ({e.strerror})") from None
-    if mode & stat.S_IROTH:
+    if private and mode & stat.S_IROTH:
         raise ControlTokenError(f"{TOKEN_ENV}={path} is readable by every user (mode {stat.S_IMODE(mode):o}): make it 0600 "
                                 "(or 0440 for a group), the token is the Control API's only key")
     if len(token) < MIN_TOKEN:
@@ -124,10 +126,9 @@ def guard_superlink(args: list[str]) -> None:
         # a second, gRPC Control API (flower_superlink.py:140) would bypass the guard
         raise ControlTokenError("FLWR_INTERNAL_GRPC_CONTROL_API=1 starts Flower's legacy gRPC Control API, which fedpipe's "
                                 "token guard does not cover: unset it")
-    from starlette.middleware import Middleware
-
     from flwr.superlink import extensions
     from flwr.superlink.cli.flower_superlink import flower_superlink
+    from starlette.middleware import Middleware
 
     theirs = extensions.get_middleware
     extensions.get_middleware = lambda: (Middleware(ControlTokenGuard, token=token), *theirs())  # outermost
@@ -137,7 +138,7 @@ def guard_superlink(args: list[str]) -> None:
 
 def flwr_cli(args: list[str]) -> None:
     """Flower's `flwr` CLI with `args`, each Control API request carrying the token in $FEDPIPE_CONTROL_TOKEN_FILE."""
-    token = read_token(os.environ.get(TOKEN_ENV))
+    token = read_token(os.environ.get(TOKEN_ENV), private=False)
     from flwr.cli import cli_client_interceptor
     from flwr.cli.app import app
 

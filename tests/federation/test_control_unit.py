@@ -9,8 +9,16 @@ import os
 
 import pytest
 
-from fedpipe.federation.control import (HEADER, TOKEN_ENV, ControlTokenError, ControlTokenGuard, cli_command, is_control_path,
-                                        make_token, read_token)
+from fedpipe.federation.control import (
+    HEADER,
+    TOKEN_ENV,
+    ControlTokenError,
+    ControlTokenGuard,
+    cli_command,
+    is_control_path,
+    make_token,
+    read_token,
+)
 from fedpipe.federation.places import PREFIX_ENV, ROOT_ENV, STORE_ENV, PlaceRefused, local_place, store_place
 
 TOKEN = "t" * 43
