@@ -60,6 +60,12 @@ def make_token(folder: str | Path) -> Path:
     folder.chmod(0o700)
     path = folder / "control.token"
     path.unlink(missing_ok=True)
+    return write_token(path)
+
+
+def write_token(path: str | Path) -> Path:
+    """A fresh random token in the new file `path` (mode 0600; refused when it exists)."""
+    path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
