@@ -170,7 +170,8 @@ def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe fede
     env.update(SUPEREXEC_ENV)
     env[TOKEN_ENV] = str(token)
     env.pop("FEDPIPE_SERVER_ROOT", None)  # a ServerApp of this SuperLink serves store runs only
-    if store:
+    if store:  # a folder store as an absolute path: the ServerApp compares what a run names with it (places.store_place)
+        store = [one if "://" in one else str(Path(one).resolve()) for one in store]
         env[STORE_ENV] = ",".join(store)
     else:
         env.pop(STORE_ENV, None)

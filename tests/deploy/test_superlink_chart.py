@@ -298,8 +298,9 @@ def test_the_network_policy_admits_sites_to_fleet_and_tasks_to_control_only(rend
 
 def test_notes_say_how_sites_reach_it(helm):
     notes = run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", "-n", NAMESPACE, *CLUSTER, *TLS_SECRET]).stdout
-    for part in (f"{SUPERLINK}.{NAMESPACE}.svc:9092", "fl.example.org:9092", "flwr supernode register",
-                 "helm install", "charts/fedpipe-site", "superlink.address=fl.example.org:9092", f"svc/{CONTROL}"):
+    for part in (f"{SUPERLINK}.{NAMESPACE}.svc:9092", "fl.example.org:9092", "fedpipe federation register hospital-a.pub",
+                 "helm install", "charts/fedpipe-site", "superlink.address=fl.example.org:9092", f"svc/{CONTROL}",
+                 f"get secret {CONTROL}-token", "FEDPIPE_CONTROL_TOKEN_FILE"):
         assert part in notes, notes
 
 
