@@ -145,8 +145,7 @@ def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe fede
 
         fedpipe federation superlink --certs certs --host 0.0.0.0 --port 9093 --store s3://runs/fedpipe
     """
-    from fedpipe.federation.control import TOKEN_ENV, ControlTokenError, read_token, superlink_command, write_token
-    from fedpipe.federation.places import STORE_ENV
+    from fedpipe.federation.control import superlink_command
     from fedpipe.federation.tryout import SUPEREXEC_ENV, superlink_args
 
     files = {name: certs / name for name in ("ca.crt", "server.crt", "server.key")}
@@ -156,31 +155,42 @@ def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe fede
                           f"federation certs --out {certs} --host NAME` (NAME: each name the sites dial the SuperLink by)")
     program = _flower_bin(flower_env, "flower-superlink")
     args = superlink_args(program, *(files[n].resolve() for n in ("ca.crt", "server.crt", "server.key")), host, port)
-    token = (control_token or certs / "control.token").resolve()
-    try:
-        if not token.exists():
-            write_token(token)
-        read_token(token)  # its length and mode, checked before the SuperLink starts
-    except (ControlTokenError, OSError) as e:
-        raise ConfigError(f"--control-token {token}: {e}") from None
     python = Path(program).parent / "python"
     command = [*superlink_command(python), *args[1:]]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
     env["PATH"] = os.pathsep.join([str(Path(program).parent), env.get("PATH", "")])
     env.update(SUPEREXEC_ENV)
-    env[TOKEN_ENV] = str(token)
-    env.pop("FEDPIPE_SERVER_ROOT", None)  # a ServerApp of this SuperLink serves store runs only
-    if store:  # a folder store as an absolute path: the ServerApp compares what a run names with it (places.store_place)
-        store = [one if "://" in one else str(Path(one).resolve()) for one in store]
-        env[STORE_ENV] = ",".join(store)
-    else:
-        env.pop(STORE_ENV, None)
+    token, store = _guard(env, control_token or certs / "control.token", store or [])
     typer.echo(f"SuperLink on {host}:{port}: TLS with {files['server.crt']} (sites check it against {files['ca.crt']}), "
                f"only registered site keys join; the Control API only with the token in {token} (FEDPIPE_CONTROL_TOKEN_FILE "
                f"of `fedpipe run` and `fedpipe federation register`); runs of {', '.join(store) if store else 'no store (--store)'}; "
                f"{program}")
     sys.stdout.flush()  # exec replaces this process: what it printed must be out first
     os.execve(str(python), command, env)  # the process becomes the SuperLink (signals, exit code and logs are its own)
+
+
+def _guard(env: dict[str, str], token: Path, store: list[str]) -> tuple[Path, list[str]]:
+    """`env` of a guarded SuperLink: the Control API token file `token` (made 0600 when missing, then checked), the run
+    stores its ServerApps serve (folders made absolute: places.store_place compares with them) and no local root.
+    Returns (token file, stores)."""
+    from fedpipe.federation.control import TOKEN_ENV, ControlTokenError, read_token, write_token
+    from fedpipe.federation.places import ROOT_ENV, STORE_ENV
+
+    token = token.resolve()
+    try:
+        if not token.exists():
+            write_token(token)
+        read_token(token)  # its length and mode, checked before the SuperLink starts
+    except (ControlTokenError, OSError) as e:
+        raise ConfigError(f"--control-token {token}: {e}") from None
+    env[TOKEN_ENV] = str(token)
+    env.pop(ROOT_ENV, None)  # a ServerApp of this SuperLink serves store runs only
+    store = [one if "://" in one else str(Path(one).resolve()) for one in store]
+    if store:
+        env[STORE_ENV] = ",".join(store)
+    else:
+        env.pop(STORE_ENV, None)
+    return token, store
 
 
 # --- flwr against one SuperLink ----------------------------------------------------------------------------------

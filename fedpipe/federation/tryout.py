@@ -158,20 +158,15 @@ def free_port() -> int:
 
 class LoopbackFederation:
     """Start with `start()` (or `with`), add sites with `start_site`, submit with `run`, and `stop()`: every
-    process this started (each in its own process group, with its children) is ended, and only those.
-
-    The Control API is the try-out's alone: `start()` writes a fresh token into `work`/control (0600 in a 0700 folder,
-    `fedpipe.federation.control.make_token`), the SuperLink refuses every Control API call without it, and only this
-    object's `flwr` calls send it (the sites' processes are not told where it is). Flower 1.42 cannot bind its Control
-    API to a Unix socket or apart from the sites' port (fedpipe.federation.control says why), so the port stays on
-    127.0.0.1 and the token is what keeps other local processes out. The ServerApp reads and writes only below
-    `server_root` (default: `work`; FEDPIPE_SERVER_ROOT, `fedpipe.federation.places`), whatever a run config names."""
+    process this started (each in its own process group, with its children) is ended, and only those. The Control API
+    is the try-out's alone: a fresh token in `work`/control (`fedpipe.federation.control`, which says why not a Unix
+    socket), sent by this object's `flwr` calls only; the ServerApp uses `server_root` (default `work`) and
+    `server_store` only (`fedpipe.federation.places`), whatever a run config names."""
 
     def __init__(self, work: str | Path, env: str | Path = DEFAULT_ENV, server_root: str | Path | None = None,
                  server_store: str = ""):
         self.work, self.env = Path(work), Path(env)
-        self.server_root = Path(server_root or work)
-        self.server_store = server_store  # the run store(s) a store run may name (FEDPIPE_SERVER_STORE; empty: none)
+        self.server_root, self.server_store = Path(server_root or work), server_store  # FEDPIPE_SERVER_ROOT, _STORE
         self.token: Path | None = None  # the Control API token, once started
         self.bin = self.env / "bin"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -183,8 +178,7 @@ class LoopbackFederation:
 
     # --- environment -----------------------------------------------------------------------------
     def _environ(self, extra: dict[str, str] | None = None, control: bool = True) -> dict[str, str]:
-        """The environment of this federation's processes; with `control` (the SuperLink, this object's `flwr` calls)
-        it names the Control API token, without (the sites) it names none."""
+        """Its processes' environment; the Control API token only with `control` (the SuperLink, its `flwr` calls)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
         env.pop("FEDPIPE_TEST_FAULT_INJECTOR", None)  # only a site started with it (start_site(env=...)) injects faults
         env.pop(TOKEN_ENV, None)
@@ -209,9 +203,8 @@ class LoopbackFederation:
         return p
 
     def _cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        environ = self._environ()
-        return subprocess.run([*cli_command(self.bin / "flwr", environ), *args], capture_output=True, text=True, env=environ,
-                              timeout=timeout, cwd=self.work)
+        env = self._environ()
+        return subprocess.run([*cli_command(self.bin / "flwr", env), *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=self.work)
 
     def log_of(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
@@ -222,9 +215,8 @@ class LoopbackFederation:
         self.tls = make_tls(self.certs)
         self.token = make_token(self.work / "control")
         write_connection(self.home, CONNECTION, f"127.0.0.1:{self.port}", self.tls["ca_cert"])
-        args = superlink_args(self.bin / "flower-superlink", self.tls["ca_cert"], self.tls["server_cert"], self.tls["server_key"],
-                              "127.0.0.1", self.port)[1:]
-        self._spawn("superlink", [*superlink_command(self.bin / "python"), *args],
+        args = superlink_args("", self.tls["ca_cert"], self.tls["server_cert"], self.tls["server_key"], "127.0.0.1", self.port)[1:]
+        self._spawn("superlink", [*superlink_command(self.bin / "python"), *args],  # Flower's flower-superlink, guarded
                     {ROOT_ENV: str(self.server_root.resolve()), STORE_ENV: self.server_store}, control=True)
         self._wait_port(self.port, "superlink")
         return self
