@@ -123,22 +123,56 @@ def test_a_store_run_must_name_the_deployments_store_and_a_runs_prefix(tmp_path)
         store_place("s3://mlpipeline/fedpipe", "team-b/run-1/federation", team)
 
 
-def test_the_serverapp_refuses_before_it_deletes_or_writes(tmp_path, monkeypatch):
-    """server_app.main with a run config naming an outside folder: PlaceRefused, and the folder's result.json (which
-    main removes as stale before a run) is still there, nothing else written."""
-    server_app = pytest.importorskip("fedpipe.federation.server_app", exc_type=ImportError)  # needs flwr (the Flower env)
+SERVERAPP_MAIN = """
+import json, sys
+from fedpipe.federation import server_app
+from fedpipe.federation.places import PlaceRefused
 
-    class Context:
-        run_config = {"out-dir": str(tmp_path / "outside"), "spec-file": str(tmp_path / "root" / "spec.json")}
+class Context:
+    run_config = json.loads(sys.argv[1])
+
+try:
+    server_app.main(None, Context())  # no grid: a run that got past the places would fail at once, after its deletions
+except PlaceRefused as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.federation
+@pytest.mark.timeout(300)
+def test_the_serverapp_refuses_before_it_deletes_or_writes(tmp_path, flower_env):
+    """fedpipe's ServerApp `main` (in the Flower environment, run config as a SuperLink would hand it) with an out-dir
+    outside FEDPIPE_SERVER_ROOT: refused, and that folder's result.json (which main removes as stale before a run, the
+    audit's deleted file) is still there; with a store that is not FEDPIPE_SERVER_STORE: refused, nothing created."""
+    import json
+    import subprocess
+    from pathlib import Path
 
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "result.json").write_text("kept")
-    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "root"))
-    with pytest.raises(PlaceRefused, match="out-dir"):
-        server_app.main(None, Context())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), ROOT_ENV: str(tmp_path / "root")}
+    env.pop(STORE_ENV, None)
+    said = {}
+    for what, config in {"out-dir": {"out-dir": str(tmp_path / "outside"), "spec-file": str(tmp_path / "root" / "spec.json")},
+                         "store": {"store": str(tmp_path / "outside-store"), "prefix": "run-1/federation"}}.items():
+        r = subprocess.run([str(flower_env / "bin" / "python"), "-c", SERVERAPP_MAIN, json.dumps(config)], capture_output=True,
+                           text=True, env=env, timeout=200)
+        said[what] = r.stdout + r.stderr
+    assert f"refused: run config out-dir='{tmp_path / 'outside'}'" in said["out-dir"], said["out-dir"][-2000:]
+    assert "refused: run config store=" in said["store"] and STORE_ENV in said["store"], said["store"][-2000:]
     assert os.listdir(tmp_path / "outside") == ["result.json"] and (tmp_path / "outside" / "result.json").read_text() == "kept"
-    monkeypatch.delenv(STORE_ENV, raising=False)
-    Context.run_config = {"store": str(tmp_path / "outside-store"), "prefix": "run-1/federation"}
-    with pytest.raises(PlaceRefused, match="store"):
-        server_app.main(None, Context())
     assert not (tmp_path / "outside-store").exists()
+
+
+def test_the_guarded_superlink_does_not_start_without_a_usable_token_or_beside_a_second_control_api(tmp_path, monkeypatch, capsys):
+    """`python -m fedpipe.federation.control superlink`: no token file, or Flower's legacy gRPC Control API asked for
+    (FLWR_INTERNAL_GRPC_CONTROL_API=1, flwr/superlink/cli/flower_superlink.py, which the guard does not cover): exit 2
+    before Flower is imported."""
+    from fedpipe.federation.control import main
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert main(["superlink", "--", "--insecure"]) == 2 and f"{TOKEN_ENV} is not set" in capsys.readouterr().err
+    monkeypatch.setenv(TOKEN_ENV, str(make_token(tmp_path / "control")))
+    monkeypatch.setenv("FLWR_INTERNAL_GRPC_CONTROL_API", "1")
+    assert main(["superlink", "--", "--insecure"]) == 2 and "FLWR_INTERNAL_GRPC_CONTROL_API" in capsys.readouterr().err
+    assert main(["nothing"]) == 2
