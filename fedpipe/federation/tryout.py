@@ -7,7 +7,8 @@ Flower 1.42 commands used (all from the environment scripts/flower-env.sh builds
   Control and Runtime APIs (flwr/superlink/cli/flower_superlink.py); `--enable-supernode-auth` requires TLS
   and turns off self-registration through the Fleet API (flwr/superlink/servicer/fleet/fleet_handlers.py
   `register_node` raises FLEET_SUPERNODE_REGISTRATION_DISABLED), so only keys registered through the
-  Control API can activate.
+  Control API can activate. It runs through `python -m fedpipe.federation.control superlink --`, which refuses every
+  Control API call without the try-out's token; the `flwr` calls below run through `... control flwr`, which sends it.
 - `flwr supernode register KEY.pub CONNECTION` (flwr/cli/supernode/register.py): registers a site's public
   key; CONNECTION is a [superlink.NAME] entry (address, root-certificates) of $FLWR_HOME/config.toml
   (flwr/cli/flower_config.py).
