@@ -18,6 +18,7 @@ client, a wrong weight, a different download) moves parameters by 1e-3 or more.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -131,23 +132,23 @@ def submit_outside(fed, spec_file, outside) -> dict:
     """Two runs submitted with the try-out's own token whose run config names places outside the ServerApp's root:
     an `out-dir` folder holding a result.json (which the ServerApp of today's main deletes before it writes the census
     there), and a `store` that is not the deployment's. Waits until Flower lists both runs as finished."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fedpipe.federation.tryout import CONNECTION, submit_app
 
     (outside / "out").mkdir()
     (outside / "out" / "result.json").write_text("kept")
     store = outside / "store"
-    runs = [submit_app(fed.bin / "flwr", fed._environ(), fed.work / "outside-app", CONNECTION, spec_file, outside / "out", timeout=30),
-            submit_app(fed.bin / "flwr", fed._environ(), fed.work / "outside-app", CONNECTION, None, None, timeout=30,
-                       store=str(store), prefix="run-x/federation")]
-    status = {}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(status) < len(runs):
-        for run_id in runs:  # Flower's own record of each run: its status and, when its ServerApp failed, why
-            listed = fed._cli("list", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=30).stdout
-            row = json.loads(listed[listed.find("{"):]).get("runs", [{}])[0]
-            if str(row.get("status", "")).startswith("finished"):
-                status[run_id] = f"{row['status']}: {row.get('status-details', '')}"
-        time.sleep(1)
+    with ThreadPoolExecutor(2) as pool:  # both at once: each `flwr run` and each refused ServerApp takes seconds
+        runs = list(pool.map(lambda submission: submit_app(fed.bin / "flwr", fed._environ(), *submission), [
+            (fed.work / "outside-app-1", CONNECTION, spec_file, outside / "out", 30),
+            (fed.work / "outside-app-2", CONNECTION, None, None, 30, 0, 0, str(store), "run-x/federation")]))
+    deadline = time.monotonic() + 120  # both ServerApps ended (the SuperLink's log), then Flower's own record of them
+    while time.monotonic() < deadline and not all(re.search(rf"Finished task \d+ of run {r}\b", fed.log_of("superlink")) for r in runs):
+        time.sleep(0.5)  # Flower logs "Finished task <task> of run <run>" when the run's ServerApp process has ended
+    listed = fed._cli("list", CONNECTION, "--format", "json", timeout=30).stdout
+    status = {int(row["run-id"]): f"{row['status']}: {row.get('status-details', '')}"
+              for row in json.loads(listed[listed.find("{"):]).get("runs", []) if int(row["run-id"]) in runs}
     return {"status": [status.get(r, "not finished") for r in runs], "kept": (outside / "out" / "result.json").read_text(),
             "files": sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))}
 
