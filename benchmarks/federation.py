@@ -321,7 +321,7 @@ def bench_sites(sites: int, rounds: int, only: set[str], secagg_modes: list[bool
         # fedpipe's sites are its warm workers, which run fedpipe's own app only; Flower's app runs on Flower's own
         # SuperNodes in their default subprocess isolation (a ClientApp process per message), as Flower ships them
         say(f"{sites} sites: starting a SuperLink and {sites} sites ({'fedpipe workers' if system == 'federation' else 'Flower SuperNodes'})")
-        with LoopbackFederation(work / system, env) as fed:
+        with LoopbackFederation(work / system, env, server_root=work) as fed:
             for folder in folders:
                 fed.start_site(folder, worker=system == "federation")
             for secagg in secagg_modes:

@@ -92,6 +92,9 @@ PLACEMENT_PARAMETERS: dict[str, tuple[type, object]] = {"node_selector": (dict, 
 _QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
 # Where a federation task finds the federation's CA certificate (DeployOptions.federation_ca_secret's ca.crt).
 FEDERATION_CA_DIR = "/etc/fedpipe/federation-ca"
+# Where a federation task finds the SuperLink's Control API token (DeployOptions.federation_control_secret's token), named
+# to `flwr` by FEDPIPE_CONTROL_TOKEN_FILE (fedpipe.federation.control).
+FEDERATION_CONTROL_DIR = "/etc/fedpipe/federation-control"
 # The label on every task pod of a fedpipe pipeline: what the chart's NetworkPolicy selects.
 POD_LABEL = ("app.kubernetes.io/part-of", "fedpipe")
 # The user every task's container runs as: the image's USER (images/Dockerfile).
@@ -179,6 +182,10 @@ class DeployOptions:
     # FEDERATION_CA_DIR (empty: none mounted; federation.root_certificates must then name a file the image has).
     federation_superlink: str = ""
     federation_ca_secret: str = ""
+    # The Secret whose `token` the SuperLink's Control API asks of every call (the chart's `<superlink>-control`): mounted
+    # into the census, phase and evaluate tasks only, at FEDERATION_CONTROL_DIR. Empty: none (a SuperLink started by
+    # fedpipe then refuses their submissions).
+    federation_control_secret: str = ""
 
     def __post_init__(self) -> None:
         for flag, url in (("--pushgateway", self.pushgateway), ("--s3-endpoint", self.s3_endpoint)):
@@ -200,6 +207,8 @@ class DeployOptions:
         resource_defaults(self.resources)
         if self.federation_ca_secret and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.federation_ca_secret):
             raise ConfigError(f"--federation-ca-secret {self.federation_ca_secret!r} is not a Kubernetes Secret name.")
+        if self.federation_control_secret and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.federation_control_secret):
+            raise ConfigError(f"--federation-control-secret {self.federation_control_secret!r} is not a Kubernetes Secret name.")
         if self.federation_superlink and not re.fullmatch(r"[A-Za-z0-9.\-]+:[0-9]{1,5}", self.federation_superlink):
             raise ConfigError(f"--federation-superlink {self.federation_superlink!r} is not HOST:PORT (the chart's SuperLink control "
                               "Service, e.g. fedpipe-superlink-control:9091).")
@@ -379,10 +388,15 @@ def _federated_branch(c: Components, v: dict, options: DeployOptions, cfg: RunCo
 
 
 def _federation_step(task, v: dict, options: DeployOptions) -> None:
-    """A federation task: a step's resources and store, and the federation's CA certificate mounted read-only."""
+    """A federation task: a step's resources and store, the federation's CA certificate mounted read-only, and the
+    Control API's token (which only these tasks get: they alone submit runs)."""
     _step(task, v, options)
+    if options.federation_control_secret:
+        kubernetes.use_secret_as_volume(task, secret_name=options.federation_control_secret, mount_path=FEDERATION_CONTROL_DIR)
+        task.set_env_variable("FEDPIPE_CONTROL_TOKEN_FILE", f"{FEDERATION_CONTROL_DIR}/token")
     if options.federation_ca_secret:
         kubernetes.use_secret_as_volume(task, secret_name=options.federation_ca_secret, mount_path=FEDERATION_CA_DIR)
+    if options.federation_ca_secret or options.federation_control_secret:
         for entry in task.platform_config["kubernetes"]["secretAsVolume"]:  # as for secretAsEnv in _storage: 2.15+ protos only
             if entry.get("optional") is False:
                 del entry["optional"]

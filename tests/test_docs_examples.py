@@ -164,8 +164,8 @@ FEDERATION = DOCS / "federation.md"
 ON_THIS_MACHINE = {"fl.example.org": "127.0.0.1", "0.0.0.0": "127.0.0.1"}
 #: the operator's section, each command by its first three words, in order
 OPERATOR_RUNS = [".venv/bin/fedpipe federation certs", ".venv/bin/fedpipe federation superlink",
-                 "PATH=$FEDPIPE_FLOWER_ENV/bin:$PATH FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 flower-superlink",
-                 "fedpipe site keygen", ".venv/bin/fedpipe federation register", "fedpipe site join", ".venv/bin/fedpipe run -c"]
+                 "PATH=$FEDPIPE_FLOWER_ENV/bin:$PATH FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1 FEDPIPE_CONTROL_TOKEN_FILE=$PWD/certs/control.token",
+                 "export FEDPIPE_CONTROL_TOKEN_FILE=$PWD/certs/control.token", "fedpipe site keygen", ".venv/bin/fedpipe federation register", "fedpipe site join", ".venv/bin/fedpipe run -c"]
 
 
 def _operator_section() -> list[list[str]]:

@@ -247,20 +247,22 @@ def test_a_pipeline_for_kfp_2_16_runs_every_task_as_the_images_user(tmp_path):
 @pytest.mark.parametrize("kfp", ["2.5.0", "2.16.0"])
 def test_the_charts_federation_pipeline_passes_every_backend_it_is_compiled_for(tmp_path, kfp):
     """What the chart registers with federation.enabled (`fedpipe register --federation-ca-secret ...
-    --federation-superlink ...`): the federation tasks mount the CA-only Secret (secretAsVolume, named at compile time),
+    --federation-superlink ... --federation-control-secret ...`): the federation tasks mount the CA-only Secret and the
+    Control API's token Secret (secretAsVolume, named at compile time),
     and every backend from the pipeline's floor on knows each task's Kubernetes config and gives every task of both
     branches resolved, identical inputs."""
-    from fedpipe.pipelines.builder import FEDERATION_CA_DIR, compile_pipeline, method_pipeline
+    from fedpipe.pipelines.builder import FEDERATION_CA_DIR, FEDERATION_CONTROL_DIR, compile_pipeline, method_pipeline
 
-    options = DeployOptions(kfp_version=kfp, federation_ca_secret="federation-ca", federation_superlink="fedpipe-superlink-control:9091")
+    options = DeployOptions(kfp_version=kfp, federation_ca_secret="federation-ca", federation_superlink="fedpipe-superlink-control:9091",
+                            federation_control_secret="fedpipe-superlink-control-token")
     path = compile_pipeline(method_pipeline(load_config(None, ["method.name=superfed_mm"]), options), tmp_path / "p.yaml")
     spec, platform = _load(path)
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     mounted = {label: config["secretAsVolume"] for label, config in executors.items() if "secretAsVolume" in config}
     assert mounted and all(label.startswith("exec-federated") for label in mounted), sorted(mounted)
     for volumes in mounted.values():
-        (volume,) = volumes
-        assert volume["secretNameParameter"] == {"runtimeValue": {"constant": "federation-ca"}} and volume["mountPath"] == FEDERATION_CA_DIR
+        assert sorted((v["secretNameParameter"]["runtimeValue"]["constant"], v["mountPath"]) for v in volumes) == [
+            ("federation-ca", FEDERATION_CA_DIR), ("fedpipe-superlink-control-token", FEDERATION_CONTROL_DIR)]
     versions = [v for v in (*KNOWN_FIELDS, *NEWER) if tuple(map(int, v.split("."))) >= tuple(map(int, kfp.split(".")))]
     for label, config in executors.items():
         for version in versions:

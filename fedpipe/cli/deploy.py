@@ -38,6 +38,7 @@ TrainerRuntimeOpt = Annotated[Optional[str], typer.Option("--trainer-runtime", h
 
 FederationSuperlinkOpt = Annotated[Optional[str], typer.Option("--federation-superlink", help="Federation mode (the run parameter engine_mode=federation): the SuperLink's Control API as HOST:PORT, the default of the run parameter federation_superlink (the chart's SuperLink: <release>-superlink-control:9091; the chart passes it when federation.enabled). docs/federation-kubernetes.md.")]
 FederationCaSecretOpt = Annotated[Optional[str], typer.Option("--federation-ca-secret", help="Federation mode: the Secret whose ca.crt the SuperLink's certificate is checked against (the chart's SuperLink TLS Secret), mounted read-only into the census, phase and evaluate tasks; federation.root_certificates then names it. Default: none mounted.")]
+FederationControlSecretOpt = Annotated[Optional[str], typer.Option("--federation-control-secret", help="Federation mode: the Secret whose `token` the SuperLink's Control API asks of every call (the chart's `<release>-superlink-control`), mounted read-only into the census, phase and evaluate tasks only. Default: none (a SuperLink that asks for a token then refuses their submissions).")]
 
 
 # The deployment flags of compile, register, submit and schedule, each declared once: `_deploy_flags`
@@ -50,6 +51,7 @@ DEPLOY_OPTIONS = {
     "gpus_per_process": GpusOpt, "job_cleanup": JobCleanupOpt, "job_timeout": JobTimeoutOpt, "job_api": JobApiOpt, "kfp_version": KfpVersionOpt, "signing_secret": SigningSecretOpt,
     "trainer_runtime": TrainerRuntimeOpt, "kueue_queue": KueueQueueOpt, "federation_superlink": FederationSuperlinkOpt,
     "federation_ca_secret": FederationCaSecretOpt,
+    "federation_control_secret": FederationControlSecretOpt,
 }
 DEPLOY_FLAGS = tuple(DEPLOY_OPTIONS)
 
@@ -102,7 +104,8 @@ def _options(deploy: dict, distributed: tuple = ()):
             resources[name] = str(deploy[name])
     chosen = {key: deploy.get(key) for key in ("image_repository", "image_tag", "training_image_tag", "store", "s3_endpoint",
                                                 "s3_secret", "pushgateway", "kfp_version", "signing_secret", "kueue_queue",
-                                                "federation_superlink", "federation_ca_secret")}
+                                                "federation_superlink", "federation_ca_secret",
+                                                "federation_control_secret")}
     return DeployOptions.from_env(**chosen, resources=resources, distributed=distributed)
 
 

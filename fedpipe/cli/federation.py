@@ -121,7 +121,16 @@ def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe fede
                                                                        "Control API. NAME:PORT, NAME a --host of the certificate, is "
                                                                        "what `fedpipe site join --superlink`, `fedpipe federation "
                                                                        "register --superlink` and federation.superlink dial.")] = 9093,
-              flower_env: FlowerEnvOpt = None):
+              flower_env: FlowerEnvOpt = None,
+              control_token: Annotated[Optional[Path], typer.Option(help="The Control API's token file (made, mode 0600, when "
+                                                                         "missing). Default: control.token in --certs. Who "
+                                                                         "runs `fedpipe run` or `fedpipe federation register` "
+                                                                         "against this SuperLink sets FEDPIPE_CONTROL_TOKEN_FILE "
+                                                                         "to a copy of it.")] = None,
+              store: Annotated[Optional[list[str]], typer.Option(help="A run store (a folder this machine shares with the "
+                                                                      "submitters, or s3://bucket/prefix) whose runs this "
+                                                                      "SuperLink's ServerApps serve; repeat it for more. "
+                                                                      "None: every `fedpipe run` submission is refused.")] = None):
     """Start the federation's SuperLink (Flower 1.42's flower-superlink) the way fedpipe's federation needs it.
 
     TLS with the files of `fedpipe federation certs` (the sites check the SuperLink against ca.crt), SuperNode
@@ -129,11 +138,14 @@ def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe fede
     --host:--port, installing nothing a run asks for (--disable-runtime-dependency-installation). The Flower
     environment is found as `fedpipe site join` finds it, and its bin is put on PATH (flower-superlink starts
     flower-superexec by name). This process becomes the SuperLink: it runs in the foreground, logs to this
-    terminal, and stops with Ctrl-C. The Control API on the same port has no authentication of its own: let only
-    the sites' and the operator's addresses reach it. Example:
+    terminal, and stops with Ctrl-C. The Control API on the same port has no authentication of its own in Flower
+    1.42; fedpipe's SuperLink refuses every Control API call without the token in --control-token
+    (fedpipe.federation.control), and its ServerApps write only into the --store stores (fedpipe.federation.places),
+    whatever a submitted run names. Example:
 
-        fedpipe federation superlink --certs certs --host 0.0.0.0 --port 9093
+        fedpipe federation superlink --certs certs --host 0.0.0.0 --port 9093 --store s3://runs/fedpipe
     """
+    from fedpipe.federation.control import superlink_command
     from fedpipe.federation.tryout import SUPEREXEC_ENV, superlink_args
 
     files = {name: certs / name for name in ("ca.crt", "server.crt", "server.key")}
@@ -143,13 +155,42 @@ def superlink(certs: Annotated[Path, typer.Option(help="The folder `fedpipe fede
                           f"federation certs --out {certs} --host NAME` (NAME: each name the sites dial the SuperLink by)")
     program = _flower_bin(flower_env, "flower-superlink")
     args = superlink_args(program, *(files[n].resolve() for n in ("ca.crt", "server.crt", "server.key")), host, port)
+    python = Path(program).parent / "python"
+    command = [*superlink_command(python), *args[1:]]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
     env["PATH"] = os.pathsep.join([str(Path(program).parent), env.get("PATH", "")])
     env.update(SUPEREXEC_ENV)
+    token, store = _guard(env, control_token or certs / "control.token", store or [])
     typer.echo(f"SuperLink on {host}:{port}: TLS with {files['server.crt']} (sites check it against {files['ca.crt']}), "
-               f"only registered site keys join; {program}")
+               f"only registered site keys join; the Control API only with the token in {token} (FEDPIPE_CONTROL_TOKEN_FILE "
+               f"of `fedpipe run` and `fedpipe federation register`); runs of {', '.join(store) if store else 'no store (--store)'}; "
+               f"{program}")
     sys.stdout.flush()  # exec replaces this process: what it printed must be out first
-    os.execve(program, args, env)  # the process becomes the SuperLink (signals, exit code and logs are its own)
+    os.execve(str(python), command, env)  # the process becomes the SuperLink (signals, exit code and logs are its own)
+
+
+def _guard(env: dict[str, str], token: Path, store: list[str]) -> tuple[Path, list[str]]:
+    """`env` of a guarded SuperLink: the Control API token file `token` (made 0600 when missing, then checked), the run
+    stores its ServerApps serve (folders made absolute: places.store_place compares with them) and no local root.
+    Returns (token file, stores)."""
+    from fedpipe.federation.control import TOKEN_ENV, ControlTokenError, read_token, write_token
+    from fedpipe.federation.places import ROOT_ENV, STORE_ENV
+
+    token = token.resolve()
+    try:
+        if not token.exists():
+            write_token(token)
+        read_token(token)  # its length and mode, checked before the SuperLink starts
+    except (ControlTokenError, OSError) as e:
+        raise ConfigError(f"--control-token {token}: {e}") from None
+    env[TOKEN_ENV] = str(token)
+    env.pop(ROOT_ENV, None)  # a ServerApp of this SuperLink serves store runs only
+    store = [one if "://" in one else str(Path(one).resolve()) for one in store]
+    if store:
+        env[STORE_ENV] = ",".join(store)
+    else:
+        env.pop(STORE_ENV, None)
+    return token, store
 
 
 # --- flwr against one SuperLink ----------------------------------------------------------------------------------
@@ -164,10 +205,12 @@ class Flower:
         self.root_certificates = root_certificates
 
     def call(self, what: str, *args: str) -> dict:
+        from fedpipe.federation.control import cli_command  # with FEDPIPE_CONTROL_TOKEN_FILE set, flwr sends its token
+
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME", "FLWR_"))}
         env.update(FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", COLUMNS="100000", NO_COLOR="1")
         try:
-            r = subprocess.run([self.flwr, *args, CONNECTION, "--format", "json"], capture_output=True, text=True, env=env,
+            r = subprocess.run([*cli_command(self.flwr, env), *args, CONNECTION, "--format", "json"], capture_output=True, text=True, env=env,
                                timeout=self.timeout + 30, cwd=self.home, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise ConfigError(f"Flower did not answer within {self.timeout + 30:.0f}s to {what} at {self.superlink}: is the "

@@ -14,7 +14,10 @@ model line's champion), the ServerApp its outputs and result.json, which this si
 and then the run's report from them, where a simulation's goes (`<store>/<run>/report/`, `fedpipe.federation.report`).
 
 The store is a folder the SuperLink's machine shares with this one, or s3:// (Kubeflow's MinIO on a cluster: the
-chart gives the SuperLink's pod the store's credentials). A submission may stop after one stage (`stage`: the
+chart gives the SuperLink's pod the store's credentials), and must be one the SuperLink serves (FEDPIPE_SERVER_STORE,
+`fedpipe.federation.places`). The submission sends the SuperLink's Control API token from FEDPIPE_CONTROL_TOKEN_FILE
+(`fedpipe.federation.control`; the chart mounts it into the pipeline's federation tasks); without it fedpipe's SuperLink
+refuses the run. A submission may stop after one stage (`stage`: the
 census, one phase, the evaluation), which is how the pipeline runs one task per stage; `fedpipe run` submits the
 whole run at once.
 """

@@ -38,7 +38,7 @@ from fedpipe.engine.rounds import RoundResult, run_phase
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError
-from fedpipe.federation import audit, resume
+from fedpipe.federation import audit, places, resume
 from fedpipe.federation.census import (
     Census,
     CensusError,
@@ -482,17 +482,29 @@ def _finish(out: Path, publish, result: dict) -> None:
 def main(grid: Grid, context: Context) -> None:
     """The run config: `store` and `prefix` (the run's store and `<run>/federation`, where the submitter put spec.json
     and waits for result.json: `fedpipe.federation.outputs`), or `out-dir` and `spec-file` (a folder on this machine:
-    the try-out); `stop-after` (a stage, `stages`; default the whole run); the timeouts."""
+    the try-out); `stop-after` (a stage, `stages`; default the whole run); the timeouts. The places are the submitter's
+    word, so each is checked against the ones this SuperLink's deployment fixes (`fedpipe.federation.places`) before
+    anything is read, written or deleted; a refused run writes nothing, not even error.json (the refusal is in the
+    SuperLink's log)."""
     rc = context.run_config
-    outputs = ServerOutputs(str(rc["store"]), str(rc["prefix"])) if str(rc.get("store", "")) else None
-    out = outputs.folder if outputs is not None else Path(str(rc["out-dir"]))
+    try:
+        if str(rc.get("store", "")):
+            outputs = ServerOutputs(*places.store_place(str(rc["store"]), str(rc.get("prefix", ""))))
+            out, spec_file = outputs.folder, outputs.folder / "spec.json"
+        else:
+            outputs = None
+            out = places.local_place(str(rc.get("out-dir", "")), "out-dir")
+            spec_file = places.local_place(str(rc.get("spec-file", "")), "spec-file")
+    except places.PlaceRefused as e:
+        log.error("fedpipe federation: run refused: %s", e)
+        raise
     publish = outputs.push if outputs is not None else (lambda *names: None)
     for stale in ("result.json", "error.json"):  # a restarted run's submitter waits on these: none from a killed one
         (out / stale).unlink(missing_ok=True)
     try:
         if outputs is not None:
             outputs.pull()
-        spec = FederationSpec.read(out / "spec.json" if outputs is not None else str(rc["spec-file"]))
+        spec = FederationSpec.read(spec_file)
         serve(grid, spec, out, float(rc.get("timeout", 300)), float(rc.get("round-timeout", 0)) or None,
               float(rc.get("rejoin-wait", 0)), str(rc.get("stop-after", "")) or "evaluate", publish)
     except BaseException as e:  # the submitter waits on result.json or error.json

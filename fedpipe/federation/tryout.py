@@ -7,7 +7,8 @@ Flower 1.42 commands used (all from the environment scripts/flower-env.sh builds
   Control and Runtime APIs (flwr/superlink/cli/flower_superlink.py); `--enable-supernode-auth` requires TLS
   and turns off self-registration through the Fleet API (flwr/superlink/servicer/fleet/fleet_handlers.py
   `register_node` raises FLEET_SUPERNODE_REGISTRATION_DISABLED), so only keys registered through the
-  Control API can activate.
+  Control API can activate. It runs through `python -m fedpipe.federation.control superlink --`, which refuses every
+  Control API call without the try-out's token; the `flwr` calls below run through `... control flwr`, which sends it.
 - `flwr supernode register KEY.pub CONNECTION` (flwr/cli/supernode/register.py): registers a site's public
   key; CONNECTION is a [superlink.NAME] entry (address, root-certificates) of $FLWR_HOME/config.toml
   (flwr/cli/flower_config.py).
@@ -35,6 +36,8 @@ from pathlib import Path
 from fedpipe.federation import flower_env
 from fedpipe.federation.app import pyproject
 from fedpipe.federation.certs import make_site_key, make_tls
+from fedpipe.federation.control import TOKEN_ENV, cli_command, make_token, superlink_command
+from fedpipe.federation.places import ROOT_ENV, STORE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENV = flower_env()  # FEDPIPE_FLOWER_ENV, else .cache/flower-venv
@@ -105,20 +108,31 @@ def write_connection(home: Path, name: str, address: str, ca_cert: str | Path) -
 
 def submit_app(flwr: str | Path, environ: dict[str, str], app: Path, connection: str, spec_file: Path | None, out: Path | None,
                timeout: float = 300, round_timeout: float = 0, rejoin_wait: float = 0, store: str = "", prefix: str = "",
-               stop_after: str = "") -> None:
+               stop_after: str = "") -> int | None:
     """`flwr run` of fedpipe's app (its pyproject written to `app`) through `connection`; returns once the SuperLink
     has accepted the run. The ServerApp reads `spec_file` and writes to `out`, paths on the SuperLink's machine, or,
     with `store`, meets the submitter in the run's store under `prefix` (`fedpipe.federation.outputs`); `stop_after`:
-    the stage it stops after (`server_app.stages`; empty: the whole run)."""
+    the stage it stops after (`server_app.stages`; empty: the whole run). Returns the run's id, as Flower gave it."""
     app.mkdir(parents=True, exist_ok=True)
     (app / "pyproject.toml").write_text(pyproject({
         "spec-file": str(Path(spec_file).resolve()) if spec_file else "", "out-dir": str(Path(out).resolve()) if out else "",
         "store": store, "prefix": prefix, "stop-after": stop_after, "timeout": float(timeout),
         "round-timeout": float(round_timeout), "rejoin-wait": float(rejoin_wait)}))
-    r = subprocess.run([str(flwr), "run", str(app), connection, "--format", "json"], capture_output=True, text=True, env=environ,
-                       timeout=120, cwd=app.parent)
-    if r.returncode != 0:
-        raise RuntimeError(f"flwr run failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    # with a Control API token in `environ` (TOKEN_ENV), flwr runs through fedpipe.federation.control, which sends it
+    r = subprocess.run([*cli_command(flwr, environ), "run", str(app), connection, "--format", "json"], capture_output=True,
+                       text=True, env=environ, timeout=120, cwd=app.parent)
+    said = r.stdout[r.stdout.find("{"):] if "{" in r.stdout else ""
+    try:  # `flwr run --format json` exits 0 also when the SuperLink refused the run: its JSON says so
+        answer = json.loads(said) if said else {}
+    except ValueError:
+        answer = {}
+    refused = isinstance(answer, dict) and answer.get("success") is False
+    if r.returncode != 0 or refused:
+        hint = (f"\nthe SuperLink's Control API refused a call without its token: set {TOKEN_ENV} to the token file "
+                "(docs/security.md, 'The Control API')") if "403" in r.stdout + r.stderr and not environ.get(TOKEN_ENV) else ""
+        raise RuntimeError(f"flwr run failed ({r.returncode}):\n{r.stdout}\n{r.stderr}{hint}")
+    run_id = answer.get("run-id") if isinstance(answer, dict) else None
+    return int(run_id) if isinstance(run_id, (int, str)) and str(run_id).isdigit() else None
 
 
 def wait_result(out: Path, timeout: float, gone=lambda: None, log=lambda: "") -> dict:
@@ -145,10 +159,16 @@ def free_port() -> int:
 
 class LoopbackFederation:
     """Start with `start()` (or `with`), add sites with `start_site`, submit with `run`, and `stop()`: every
-    process this started (each in its own process group, with its children) is ended, and only those."""
+    process this started (each in its own process group, with its children) is ended, and only those. The Control API
+    is the try-out's alone: a fresh token in `work`/control (`fedpipe.federation.control`, which says why not a Unix
+    socket), sent by this object's `flwr` calls only; the ServerApp uses `server_root` (default `work`) and
+    `server_store` only (`fedpipe.federation.places`), whatever a run config names."""
 
-    def __init__(self, work: str | Path, env: str | Path = DEFAULT_ENV):
+    def __init__(self, work: str | Path, env: str | Path = DEFAULT_ENV, server_root: str | Path | None = None,
+                 server_store: str = ""):
         self.work, self.env = Path(work), Path(env)
+        self.server_root, self.server_store = Path(server_root or work), server_store  # FEDPIPE_SERVER_ROOT, _STORE
+        self.token: Path | None = None  # the Control API token, once started
         self.bin = self.env / "bin"
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
@@ -158,9 +178,13 @@ class LoopbackFederation:
         self.certs = self.work / "certs"
 
     # --- environment -----------------------------------------------------------------------------
-    def _environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+    def _environ(self, extra: dict[str, str] | None = None, control: bool = True) -> dict[str, str]:
+        """Its processes' environment; the Control API token only with `control` (the SuperLink, its `flwr` calls)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
         env.pop("FEDPIPE_TEST_FAULT_INJECTOR", None)  # only a site started with it (start_site(env=...)) injects faults
+        env.pop(TOKEN_ENV, None)
+        if control and self.token is not None:
+            env[TOKEN_ENV] = str(self.token)
         env["PATH"] = f"{self.bin}:{env.get('PATH', '')}"
         env["FLWR_HOME"] = str(self.home)
         env["PYTHONPATH"] = str(ROOT)
@@ -170,18 +194,18 @@ class LoopbackFederation:
         env.update(extra or {})
         return env
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None, control: bool = False) -> subprocess.Popen:
         log = self.work / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         self.logs[name] = log
-        p = subprocess.Popen(["nice", "-n", "10", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=self._environ(env),
+        p = subprocess.Popen(["nice", "-n", "10", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=self._environ(env, control),
                              start_new_session=True, cwd=self.work)
         self.procs[name] = p
         return p
 
     def _cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.bin / "flwr"), *args], capture_output=True, text=True, env=self._environ(),
-                              timeout=timeout, cwd=self.work)
+        env = self._environ()
+        return subprocess.run([*cli_command(self.bin / "flwr", env), *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=self.work)
 
     def log_of(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace") if name in self.logs and self.logs[name].exists() else ""
@@ -190,9 +214,11 @@ class LoopbackFederation:
     def start(self) -> LoopbackFederation:
         self.work.mkdir(parents=True, exist_ok=True)
         self.tls = make_tls(self.certs)
+        self.token = make_token(self.work / "control")
         write_connection(self.home, CONNECTION, f"127.0.0.1:{self.port}", self.tls["ca_cert"])
-        self._spawn("superlink", superlink_args(self.bin / "flower-superlink", self.tls["ca_cert"], self.tls["server_cert"],
-                                                self.tls["server_key"], "127.0.0.1", self.port))
+        args = superlink_args("", self.tls["ca_cert"], self.tls["server_cert"], self.tls["server_key"], "127.0.0.1", self.port)[1:]
+        self._spawn("superlink", [*superlink_command(self.bin / "python"), *args],  # Flower's flower-superlink, guarded
+                    {ROOT_ENV: str(self.server_root.resolve()), STORE_ENV: self.server_store}, control=True)
         self._wait_port(self.port, "superlink")
         return self
 

@@ -113,7 +113,7 @@ def test_every_variant_validates_against_kubernetes(render_chart, validate_k8s, 
     docs = render_chart(*VARIANTS[variant])
     mine = superlink_docs(docs)
     kinds = sorted(d["kind"] for d in mine)
-    expected = ["ConfigMap", "Deployment", "Service", "Service"]
+    expected = ["ConfigMap", "Deployment", "Secret", "Service", "Service"]  # the Secret: the Control API's token
     expected += ["PersistentVolumeClaim"] if "existing-claim" not in variant else []
     expected += ["Certificate"] if "certManager.enabled=true" in " ".join(VARIANTS[variant]) else []
     expected += ["NetworkPolicy", "NetworkPolicy"] if "no-policy" not in variant else []
@@ -202,7 +202,8 @@ def test_the_pod_is_locked_down(render_chart, variant):
 def test_the_superlink_runs_on_loopback_with_the_tasks_env_and_kept_state(render_chart):
     docs = render_chart(*TLS_SECRET, "--set", "storage.existingSecret=team-s3", "--set", "storage.accessKeyKey=AK")
     link = container(docs, "superlink")
-    assert link["command"] == ["/opt/flower/bin/flower-superlink"]
+    # Flower's flower-superlink, its Control API behind fedpipe's token check (fedpipe.federation.control)
+    assert link["command"] == ["/opt/flower/bin/python", "-m", "fedpipe.federation.control", "superlink", "--"]
     args = link["args"]
     assert {"--enable-supernode-auth", "--host=127.0.0.1", "--port=9093", "--isolation=subprocess",
             "--disable-runtime-dependency-installation", "--ssl-ca-certfile=/etc/fedpipe/tls/ca.crt",
@@ -217,12 +218,44 @@ def test_the_superlink_runs_on_loopback_with_the_tasks_env_and_kept_state(render
     assert env[s3_store.ENV_SECRET_KEY]["valueFrom"]["secretKeyRef"] == {"name": "team-s3", "key": "secretkey"}
     assert env["FEDPIPE_SIGNING_KEY"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-signing", "key": "key"}
     assert env["FLWR_TELEMETRY_ENABLED"]["value"] == "0"
+    # the ServerApps write only into the runs' store, whatever store a submitted run config names (fedpipe.federation.places)
+    assert env["FEDPIPE_SERVER_STORE"]["value"] == "s3://mlpipeline/fedpipe" and "FEDPIPE_SERVER_ROOT" not in env
     assert env["HOME"]["value"] == "/tmp" and env["FLWR_HOME"]["value"].startswith("/tmp/")
     claim = only(docs, "PersistentVolumeClaim", "-superlink-state")
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # registered sites survive an uninstall
     assert {v["name"]: v for v in pod_of(docs)["volumes"]}["state"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     unsigned = {e["name"] for e in container(render_chart(*TLS_SECRET, "--set", "signing.enabled=false"), "superlink")["env"]}
     assert "FEDPIPE_SIGNING_KEY" not in unsigned
+
+
+def test_the_control_api_takes_a_token_that_only_the_superlink_and_the_federation_tasks_mount(render_chart):
+    """Flower 1.42's Control API checks no credential (docs/security.md, "The Control API"), and the chart's control port
+    admits any pod with the task labels: so the SuperLink asks every Control API call for the token in the control
+    Secret (fedpipe.federation.control), which the chart makes with a random token, mounts into the SuperLink (mode
+    0440, named by FEDPIPE_CONTROL_TOKEN_FILE) and names to the registration Job for the federation tasks only; no other
+    pod of the chart mounts it. With controlToken.existingSecret that Secret is used and none is made. On today's main
+    no such Secret exists and the SuperLink is Flower's own, unguarded."""
+    import base64
+
+    docs = render_chart(*TLS_SECRET)
+    secret = only(docs, "Secret", "-superlink-control-token")
+    assert secret["metadata"]["name"] == f"{CONTROL}-token"
+    assert len(base64.b64decode(secret["data"]["token"])) >= 48
+    link = container(docs, "superlink")
+    env = {e["name"]: e for e in link["env"]}
+    assert env["FEDPIPE_CONTROL_TOKEN_FILE"]["value"] == "/etc/fedpipe/control/token"
+    mounts = {m["mountPath"]: m for m in link["volumeMounts"]}
+    assert mounts["/etc/fedpipe/control"]["readOnly"] is True
+    volume = {v["name"]: v for v in pod_of(docs)["volumes"]}[mounts["/etc/fedpipe/control"]["name"]]
+    assert volume["secret"] == {"secretName": f"{CONTROL}-token", "defaultMode": 0o440}
+    users = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs if f"{CONTROL}-token" in json.dumps(d) and d is not secret)
+    assert users == [f"Deployment/{SUPERLINK}", f"Job/{RELEASE}-register"], users
+    job = only(docs, "Job", "-register")
+    assert f"--federation-control-secret={CONTROL}-token" in job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "/etc/fedpipe/control" not in json.dumps(container(docs, "fleet-filter"))  # the filter never holds it
+    own = render_chart(*TLS_SECRET, "--set", "federation.controlToken.existingSecret=ops-control")
+    assert not [d for d in own if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-control-token")]
+    assert {v["name"]: v for v in pod_of(own)["volumes"]}["control"]["secret"]["secretName"] == "ops-control"
 
 
 def test_the_filter_is_the_only_listener_and_its_services(render_chart):
@@ -265,8 +298,9 @@ def test_the_network_policy_admits_sites_to_fleet_and_tasks_to_control_only(rend
 
 def test_notes_say_how_sites_reach_it(helm):
     notes = run_tool([helm, "install", RELEASE, str(CHART), "--dry-run=client", "-n", NAMESPACE, *CLUSTER, *TLS_SECRET]).stdout
-    for part in (f"{SUPERLINK}.{NAMESPACE}.svc:9092", "fl.example.org:9092", "flwr supernode register",
-                 "helm install", "charts/fedpipe-site", "superlink.address=fl.example.org:9092", f"svc/{CONTROL}"):
+    for part in (f"{SUPERLINK}.{NAMESPACE}.svc:9092", "fl.example.org:9092", "fedpipe federation register hospital-a.pub",
+                 "helm install", "charts/fedpipe-site", "superlink.address=fl.example.org:9092", f"svc/{CONTROL}",
+                 f"get secret {CONTROL}-token", "FEDPIPE_CONTROL_TOKEN_FILE"):
         assert part in notes, notes
 
 
@@ -301,10 +335,13 @@ def test_every_call_of_flowers_clients_passes_the_filters_path_rule(render_chart
 # --- the real filter in front of the real SuperLink -------------------------------------------------------------------
 
 
-def _post(port: int, path: str, ca: Path, body: bytes = b"", method: str = "POST") -> tuple[int, str, str]:
-    """(status, X-Fedpipe-Filter header, body) of an HTTPS request to 127.0.0.1:port, the CA's trust only."""
+def _post(port: int, path: str, ca: Path, body: bytes = b"", method: str = "POST", token: str = "") -> tuple[int, str, str]:
+    """(status, X-Fedpipe-Filter header, body) of an HTTPS request to 127.0.0.1:port, the CA's trust only (and, with
+    `token`, the Control API's token, fedpipe.federation.control.HEADER)."""
+    from fedpipe.federation.control import HEADER
+
     request = urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=body if method == "POST" else None, method=method,
-                                     headers={"Content-Type": "application/protobuf"})
+                                     headers={"Content-Type": "application/protobuf", **({HEADER: token} if token else {})})
     context = ssl.create_default_context(cafile=str(ca))
     try:
         with urllib.request.urlopen(request, context=context, timeout=20) as r:
@@ -332,6 +369,7 @@ def live_filter(helm, flower_env):
     from services import find_binary
 
     from fedpipe.federation.certs import make_tls
+    from fedpipe.federation.control import make_token
     from fedpipe.federation.tryout import CONNECTION, LoopbackFederation, free_port, write_connection
 
     nginx = find_binary("nginx")
@@ -357,6 +395,9 @@ def live_filter(helm, flower_env):
     conf.write_text(_as_here(re.sub(r"(?<= )/tmp/", f"{filter_tmp}/", nginx_conf(docs)), paths))  # the emptyDir first
     link_container = container(docs, "superlink")
     link_args = [_as_here(a, {**paths, "/var/lib/superlink/": f"{state}/"}) for a in link_container["args"]]
+    # the chart's command: Flower's SuperLink behind fedpipe's Control API token check, the token from the control Secret
+    link_command = [_as_here(a, {"/opt/flower/bin/": f"{env}/bin/"}) for a in link_container["command"]]
+    fed.token = make_token(work / "control")  # the Secret's token file; fed's own flwr calls send it
     write_connection(fed.home, CONNECTION, f"127.0.0.1:{control}", fed.tls["ca_cert"])
     fed.port = fleet  # where fed.start_site's SuperNodes dial: the fleet port of the filter
     drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"] if os.geteuid() == 0 else []
@@ -366,13 +407,13 @@ def live_filter(helm, flower_env):
     if drop:
         shutil.chown(log, 65534, 65534)  # nginx opens /dev/stdout (its access log) as its own user, as in a pod
     try:
-        fed._spawn("superlink", [str(env / "bin" / "flower-superlink"), *link_args], {"HOME": str(link_tmp)})
+        fed._spawn("superlink", [*link_command, *link_args], {"HOME": str(link_tmp)}, control=True)
         fed._wait_port(link, "superlink")
         fed._spawn("filter", [*drop, nginx, "-c", str(conf), "-e", "stderr"])
         fed._wait_port(fleet, "filter")
         fed._wait_port(control, "filter")
         yield {"fed": fed, "fleet": fleet, "control": control, "link": link, "ca": fed.tls["ca_cert"], "conf": conf,
-               "nginx": nginx, "args": link_args}
+               "nginx": nginx, "args": link_args, "token": fed.token.read_text().strip()}
     finally:
         fed.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -396,8 +437,13 @@ def test_the_real_filter_gives_sites_the_fleet_api_only(live_filter):
     assert marker == "" and "fedpipe filter" not in body and status != 404, (status, body)
     print(f"Flower's own answer to an unsigned POST /v1/fleet/get-run through the fleet port: {status} {body[:200]}")
     assert _post(fleet, "/health", ca, method="GET")[:2] == (200, "")
-    # The control port passes the Control API (Flower's 200) and refuses the Fleet API.
-    assert _post(control, "/v1/control/list-nodes", ca)[:2] == (200, "")
+    # The control port passes the Control API (Flower's 200) to a caller with the token and refuses the Fleet API; the
+    # SuperLink itself refuses a Control API call without the token (fedpipe.federation.control: 403, its own marker).
+    assert _post(control, "/v1/control/list-nodes", ca, token=live_filter["token"])[:2] == (200, "")
+    status, marker, body = _post(control, "/v1/control/list-nodes", ca)
+    assert (status, marker) == (403, "") and "needs the operator's token" in body, (status, body)
+    status, marker, body = _post(control, "/v1/control/register-node", ca, token="x" * 43)
+    assert status == 403 and "needs the operator's token" in body, (status, body)
     status, marker, _ = _post(control, "/v1/fleet/get-run", ca)
     assert (status, marker) == (404, "refused")
 
@@ -433,12 +479,13 @@ def test_the_registered_pipeline_submits_to_this_superlink_and_mounts_its_ca(ren
     from typer.testing import CliRunner
 
     from fedpipe.cli import app
-    from fedpipe.pipelines.builder import FEDERATION_CA_DIR
+    from fedpipe.pipelines.builder import FEDERATION_CA_DIR, FEDERATION_CONTROL_DIR
 
     job = only(render_chart(*TLS_SECRET), "Job", "-register")
     (register,) = job["spec"]["template"]["spec"]["containers"]
     chosen = [a for a in register["args"] if a.startswith("--federation-")]
-    assert chosen == [f"--federation-superlink={CONTROL}:9091", "--federation-ca-secret=federation-ca"]  # the CA alone: no key
+    assert chosen == [f"--federation-superlink={CONTROL}:9091", "--federation-ca-secret=federation-ca",  # the CA alone: no key
+                      f"--federation-control-secret={CONTROL}-token"]
     out = tmp_path / "fedavg.yaml"
     result = CliRunner().invoke(app, ["compile", "--set", "method.name=fedavg", "--out", str(out), *chosen])
     assert result.exit_code == 0, result.output
@@ -450,4 +497,13 @@ def test_the_registered_pipeline_submits_to_this_superlink_and_mounts_its_ca(ren
     mounted = sorted(label for label, config in executors.items()
                      if any(v["secretName"] == "federation-ca" and v["mountPath"] == FEDERATION_CA_DIR for v in config.get("secretAsVolume", [])))
     assert mounted == ["exec-federated-census", "exec-federated-evaluate", "exec-federated-phase"]
+    # the Control API's token: these three tasks alone (they submit the runs), named to `flwr` by FEDPIPE_CONTROL_TOKEN_FILE
+    tokened = sorted(label for label, config in executors.items()
+                     if any(v["secretName"] == f"{CONTROL}-token" and v["mountPath"] == FEDERATION_CONTROL_DIR
+                            for v in config.get("secretAsVolume", [])))
+    assert tokened == mounted
+    containers = spec["deploymentSpec"]["executors"]
+    for label in tokened:
+        env = {e["name"]: e.get("value") for e in containers[label]["container"].get("env", [])}
+        assert env["FEDPIPE_CONTROL_TOKEN_FILE"] == f"{FEDERATION_CONTROL_DIR}/token", label
     assert not [label for label, config in executors.items() if any(v["secretName"] == "superlink-tls" for v in config.get("secretAsVolume", []))]

@@ -177,17 +177,25 @@ def test_the_superlink_command_starts_flower_superlink_with_tls_auth_and_the_flo
     env = tmp_path / "flower"
     (env / "bin").mkdir(parents=True)
     (env / "bin" / "flower-superlink").write_text("#!/bin/sh\n")
+    (env / "bin" / "python").write_text("#!/bin/sh\n")
     certs = tmp_path / "certs"
     assert fed("certs", "--out", certs, "--host", "fl.example.org").exit_code == 0
     started = []
     monkeypatch.setattr(federation_cli.os, "execve", lambda program, args, environ: started.append((program, args, environ)))
     monkeypatch.setenv("PATH", "/usr/bin")
     monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "3")
-    r = fed("superlink", "--certs", certs, "--host", "0.0.0.0", "--port", "9093", "--flower-env", env)
+    monkeypatch.setenv("FEDPIPE_SERVER_ROOT", "/")  # not passed on: this SuperLink's ServerApps serve store runs only
+    r = fed("superlink", "--certs", certs, "--host", "0.0.0.0", "--port", "9093", "--flower-env", env, "--store", "s3://runs/fedpipe",
+            "--store", str(tmp_path / "shared"))
     assert r.exit_code == 0, r.stdout + r.stderr
     [(program, args, environ)] = started
-    assert program == str(env / "bin" / "flower-superlink") and args[0] == program
-    assert args[1:] == ["--ssl-ca-certfile", str(certs.resolve() / "ca.crt"), "--ssl-certfile", str(certs.resolve() / "server.crt"),
+    # Flower's flower-superlink behind fedpipe's Control API token check (fedpipe.federation.control)
+    assert program == str(env / "bin" / "python") and args[:5] == [program, "-m", "fedpipe.federation.control", "superlink", "--"]
+    token = certs / "control.token"
+    assert environ["FEDPIPE_CONTROL_TOKEN_FILE"] == str(token.resolve()) and token.stat().st_mode & 0o777 == 0o600
+    assert len(token.read_text().strip()) >= 32
+    assert environ["FEDPIPE_SERVER_STORE"] == f"s3://runs/fedpipe,{tmp_path / 'shared'}" and "FEDPIPE_SERVER_ROOT" not in environ
+    assert args[5:] == ["--ssl-ca-certfile", str(certs.resolve() / "ca.crt"), "--ssl-certfile", str(certs.resolve() / "server.crt"),
                         "--ssl-keyfile", str(certs.resolve() / "server.key"), "--enable-supernode-auth", "--host", "0.0.0.0",
                         "--port", "9093", "--disable-runtime-dependency-installation"]
     assert environ["PATH"].split(":")[:2] == [str(env / "bin"), "/usr/bin"]  # it starts flower-superexec by name
@@ -195,7 +203,8 @@ def test_the_superlink_command_starts_flower_superlink_with_tls_auth_and_the_flo
     assert "SuperLink on 0.0.0.0:9093" in r.stdout and "only registered site keys join" in r.stdout
     monkeypatch.setenv("FEDPIPE_FLOWER_ENV", str(env))  # found as `fedpipe site join` finds it
     monkeypatch.setattr("fedpipe.cli.site.FLOWER_ENV", env)
-    assert fed("superlink", "--certs", certs).exit_code == 0 and started[-1][0] == str(env / "bin" / "flower-superlink")
+    assert fed("superlink", "--certs", certs).exit_code == 0 and started[-1][0] == str(env / "bin" / "python")
+    assert "FEDPIPE_SERVER_STORE" not in started[-1][2] and token.read_text() == open(started[-1][2]["FEDPIPE_CONTROL_TOKEN_FILE"]).read()
     assert started[-1][1][-5:] == ["--host", "0.0.0.0", "--port", "9093", "--disable-runtime-dependency-installation"]
 
 

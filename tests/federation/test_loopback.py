@@ -18,6 +18,7 @@ client, a wrong weight, a different download) moves parameters by 1e-3 or more.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -72,15 +73,19 @@ def loopback(tmp_path_factory, flower_env):
         intruder_log = fed.log_of("intruder")
         intruder_exit = fed.procs["intruder"].poll()
         before = fed._cli("supernode", "list", "fedpipe-tryout", "--format", "json").stdout
+        t1 = time.perf_counter()
         control = control_api_calls(fed, fed.certs / "sites" / "intruder.pub")
+        submitted = submit_without_token(fed, spec_file, work / "out-intruder")
         after = fed._cli("supernode", "list", "fedpipe-tryout", "--format", "json").stdout
+        outside = submit_outside(fed, spec_file, tmp_path_factory.mktemp("outside"))
+        print(f"the Control API and place checks took {time.perf_counter() - t1:.1f}s")
     fed_seconds = time.perf_counter() - t0
     federated = safetensors.torch.load_file(str(work / "out" / "global.safetensors"))
     rounds = [json.loads(line) for line in (work / "out" / "rounds.jsonl").read_text().splitlines()]
     print(f"simulation {sim_seconds:.1f}s, loopback federation {fed_seconds:.1f}s (rounds: {[round(r['seconds'], 1) for r in rounds]})")
     return dict(simulated=simulated, federated=federated, result=result, rounds=rounds, work=work,
                 intruder_log=intruder_log, intruder_exit=intruder_exit, folders=folders, control=control,
-                nodes_before=before, nodes_after=after)
+                nodes_before=before, nodes_after=after, submitted=submitted, outside=outside)
 
 
 def control_api_calls(fed, public_key) -> dict[str, int]:
@@ -108,6 +113,46 @@ def control_api_calls(fed, public_key) -> dict[str, int]:
     return status
 
 
+def submit_without_token(fed, spec_file, out) -> str:
+    """`flwr run` of fedpipe's app as another local process would: the try-out's connection and CA, but not its Control
+    API token. Returns what the submission said when refused ('' if it was taken)."""
+    from fedpipe.federation.control import TOKEN_ENV
+    from fedpipe.federation.tryout import CONNECTION, submit_app
+
+    environ = fed._environ()
+    environ.pop(TOKEN_ENV)
+    try:
+        submit_app(fed.bin / "flwr", environ, fed.work / "intruder-app", CONNECTION, spec_file, out, timeout=30)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def submit_outside(fed, spec_file, outside) -> dict:
+    """Two runs submitted with the try-out's own token whose run config names places outside the ServerApp's root:
+    an `out-dir` folder holding a result.json (which the ServerApp of today's main deletes before it writes the census
+    there), and a `store` that is not the deployment's. Waits until Flower lists both runs as finished."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fedpipe.federation.tryout import CONNECTION, submit_app
+
+    (outside / "out").mkdir()
+    (outside / "out" / "result.json").write_text("kept")
+    store = outside / "store"
+    with ThreadPoolExecutor(2) as pool:  # both at once: each `flwr run` and each refused ServerApp takes seconds
+        runs = list(pool.map(lambda submission: submit_app(fed.bin / "flwr", fed._environ(), *submission), [
+            (fed.work / "outside-app-1", CONNECTION, spec_file, outside / "out", 30),
+            (fed.work / "outside-app-2", CONNECTION, None, None, 30, 0, 0, str(store), "run-x/federation")]))
+    deadline = time.monotonic() + 120  # both ServerApps ended (the SuperLink's log), then Flower's own record of them
+    while time.monotonic() < deadline and not all(re.search(rf"Finished task \d+ of run {r}\b", fed.log_of("superlink")) for r in runs):
+        time.sleep(0.5)  # Flower logs "Finished task <task> of run <run>" when the run's ServerApp process has ended
+    listed = fed._cli("list", CONNECTION, "--format", "json", timeout=30).stdout
+    status = {int(row["run-id"]): f"{row['status']}: {row.get('status-details', '')}"
+              for row in json.loads(listed[listed.find("{"):]).get("runs", []) if int(row["run-id"]) in runs}
+    return {"status": [status.get(r, "not finished") for r in runs], "kept": (outside / "out" / "result.json").read_text(),
+            "files": sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))}
+
+
 def test_fedavg_federated_equals_simulation(loopback):
     sim, fed = loopback["simulated"], loopback["federated"]
     assert sim.keys() == fed.keys()
@@ -132,19 +177,32 @@ def test_each_site_reads_only_its_own_folder(loopback):
         assert sorted(p.name for p in folder.iterdir()) == ["data.safetensors", "messages.jsonl", "site.json", "superexec-secret"]
 
 
-def test_the_superlinks_port_also_serves_its_unauthenticated_control_api(loopback):
-    """What the deployment must guard (docs/federation.md, "Trust"): Flower 1.42 serves the Fleet, Control and Runtime
-    APIs on one port (flwr/superlink/main.py includes the control, fleet and runtime routers in one FastAPI app), and
-    without Flower's enterprise account auth the Control API checks no credentials (its noop authn plugin,
-    flwr/superlink/auth_plugin/noop_auth_plugin.py). So anyone who can reach the port sites dial can list the nodes
-    and register a key of their own (and submit a run, whose ServerApp code the SuperLink executes): exactly what
-    SuperNode authentication is meant to keep out. Sites must reach the SuperLink only through a filter that passes
-    /v1/fleet/ and nothing else; the try-out binds 127.0.0.1. This pins the upstream behaviour: if a Flower release
-    starts refusing these calls, this test says so and the guard can be revisited."""
-    assert loopback["control"] == {"/v1/control/list-nodes": 200, "/v1/control/register-node": 200}, loopback["control"]
+def test_the_control_api_refuses_whoever_lacks_the_tryouts_token(loopback):
+    """Flower 1.42 serves the Fleet, Control and Runtime APIs on one port (flwr/superlink/main.py includes the control,
+    fleet and runtime routers in one FastAPI app), and without Flower's enterprise account auth its Control API checks no
+    credentials (flwr/superlink/config_loader.py `load_control_authn_plugin`: the noop plugin). fedpipe's SuperLink
+    (fedpipe.federation.control) puts a token check in front of it: a local process that reaches the port with the CA's
+    trust but not the try-out's token can neither list the nodes nor register a key nor submit a run; the try-out's own
+    calls (which send the token) can. On today's main the first two answer 200 and the key is registered."""
+    assert loopback["control"] == {"/v1/control/list-nodes": 403, "/v1/control/register-node": 403}, loopback["control"]
     before, after = (json.loads(loopback[k])["nodes"] for k in ("nodes_before", "nodes_after"))
-    new = [n for n in after if n["node-id"] not in {m["node-id"] for m in before}]
-    assert len(new) == 1 and new[0]["status"] == "registered", (before, after)  # registered by an anonymous caller
+    ids = lambda nodes: sorted(n["node-id"] for n in nodes)  # noqa: E731
+    assert ids(before) == ids(after) and len(before) == 4, (before, after)  # the 4 sites the try-out registered; no new one
+    assert "403" in loopback["submitted"] and "FEDPIPE_CONTROL_TOKEN_FILE" in loopback["submitted"], loopback["submitted"]
+    assert not (loopback["work"] / "out-intruder").exists()
+
+
+def test_a_run_config_naming_an_outside_folder_or_store_writes_nothing_there(loopback):
+    """fedpipe's ServerApp takes its places from the SuperLink's deployment (FEDPIPE_SERVER_ROOT: the try-out's folder;
+    FEDPIPE_SERVER_STORE: none here), not from the run config: a run whose out-dir is outside the root, or whose store is
+    not the deployment's, is refused before anything is read, written or deleted (fedpipe.federation.places). On today's
+    main the first deletes the folder's result.json and writes the census there, the second writes into the store."""
+    outside = loopback["outside"]
+    assert outside["files"] == ["out", "out/result.json"] and outside["kept"] == "kept", outside["files"]
+    folder, store = outside["status"]
+    # Flower's record of each run: failed, with the ServerApp's refusal (fedpipe.federation.places.PlaceRefused)
+    assert folder.startswith("finished:failed") and "run config out-dir=" in folder and "FEDPIPE_SERVER_ROOT" in folder, folder
+    assert store.startswith("finished:failed") and "run config store=" in store and "FEDPIPE_SERVER_STORE" in store, store
 
 
 def test_unregistered_site_is_refused(loopback):

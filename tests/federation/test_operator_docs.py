@@ -83,7 +83,7 @@ def test_the_operators_first_federation_runs_as_the_docs_say(reader: Path, flowe
     from fedpipe.federation.tryout import free_port
 
     monkeypatch.setenv("FEDPIPE_FLOWER_ENV", str(flower_env))  # step 1: how every command finds the Flower environment
-    (certs, superlink, same_as, keygen, register, join, run_) = _operator_section()
+    (certs, superlink, same_as, token, keygen, register, join, run_) = _operator_section()
     port = free_port()
     pooled = write_digit_folders(reader / "pooled", limit=300)  # every label: the federation's one manifest is made from it
     run(["fedpipe", "data", "init", str(pooled)], reader, [])  # step 4's `fedpipe data init`
@@ -96,11 +96,17 @@ def test_the_operators_first_federation_runs_as_the_docs_say(reader: Path, flowe
         _wait_port(port, procs[0], logs / "superlink.log")
         # the page's spelled-out command is what runs, with the Flower environment's bin first on PATH
         cmdline = (Path("/proc") / str(procs[0].pid) / "cmdline").read_bytes().decode().split("\0")[:-1]
-        written = _as_here(same_as, port)[2:]
-        assert Path(cmdline[1]) == flower_env / "bin" / "flower-superlink", cmdline
-        assert cmdline[2:] == [str((reader / w).resolve()) if w.startswith("certs/") else w for w in written[1:]], cmdline
+        written = _as_here(same_as, port)[4:]  # after its four environment variables
+        assert Path(cmdline[0]) == flower_env / "bin" / "python" and written[0] == "python", cmdline
+        assert cmdline[1:] == [str((reader / w).resolve()) if w.startswith("certs/") else w for w in written[1:]], cmdline
         environ = dict(e.split("=", 1) for e in (Path("/proc") / str(procs[0].pid) / "environ").read_bytes().decode().split("\0") if "=" in e)
         assert environ["PATH"].startswith(f"{flower_env / 'bin'}:") and environ["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
+        for assignment in same_as[2:4]:  # FEDPIPE_CONTROL_TOKEN_FILE and FEDPIPE_SERVER_STORE, as the page spells them
+            name, value = assignment.split("=", 1)
+            assert environ[name] == value.replace("$PWD", str(reader.resolve())), (name, environ.get(name))
+        # the operator's shell, for steps 5 and 7: the SuperLink's Control API token
+        assert token[0] == "export" and token[1].startswith("FEDPIPE_CONTROL_TOKEN_FILE=")
+        monkeypatch.setenv("FEDPIPE_CONTROL_TOKEN_FILE", token[1].split("=", 1)[1].replace("$PWD", str(reader)))
         for site in SITES[:2]:
             home = reader / site
             (home / "data").mkdir(parents=True)

@@ -33,6 +33,7 @@ from runs import train_all
 from fedpipe.data.files.init import init_manifest, write_manifest
 from fedpipe.data.partition import make_partition
 from fedpipe.federation.certs import make_tls
+from fedpipe.federation.control import TOKEN_ENV
 from fedpipe.federation.tryout import LoopbackFederation, free_port
 from fedpipe.pipelines.local_runner import run_method_locally
 from fedpipe.plots import census_heatmap
@@ -59,7 +60,8 @@ def own_files(tmp_path_factory, flower_env, s3_server, s3_credentials):
     work = tmp_path_factory.mktemp("own-files")
     # the pipeline's run store is S3 (moto's server, an emulator of MinIO's API): the SuperLink's ServerApp and the
     # pipeline's tasks meet there, as on a cluster, where both get the store's endpoint and credentials in their env
-    saved = {k: os.environ.get(k) for k in ("FEDPIPE_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FEDPIPE_FLOWER_ENV")}
+    saved = {k: os.environ.get(k) for k in ("FEDPIPE_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FEDPIPE_FLOWER_ENV",
+                                                 TOKEN_ENV)}
     os.environ.update({"FEDPIPE_S3_ENDPOINT": s3_server, "AWS_ACCESS_KEY_ID": s3_credentials[0],
                        "AWS_SECRET_ACCESS_KEY": s3_credentials[1], "FEDPIPE_FLOWER_ENV": str(flower_env)})
     try:
@@ -82,7 +84,12 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
     sim_run = Run(sim_cfg)
     state = train_all(sim_run)
     partition = make_partition(sim_run.bundle, sim_cfg.partition, sim_cfg.run.seed)
-    with LoopbackFederation(work / "fed", flower_env) as fed:
+    store = work / "fed-store"
+    # the SuperLink serves the runs of two stores (`fedpipe run`'s folder, the pipeline's S3), and the submitters (this
+    # process's `fedpipe run` and the pipeline's tasks) hold the Control API's token, as a cluster's task pods do
+    with LoopbackFederation(work / "fed", flower_env, server_root=work,
+                            server_store=f"{store},s3://{PIPELINE_BUCKET}/fedpipe") as fed:
+        os.environ[TOKEN_ENV] = str(fed.token)
         for name in SITES:  # each hospital: its own folder, its own key, its own process
             files = work / "sites" / name / "files"
             shutil.copytree(pooled / name, files / name)
@@ -102,7 +109,6 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         checked = _fedpipe(*check_args, "--root-certificates", str(fed.tls["ca_cert"]))
         other_ca = make_tls(work / "other-ca")["ca_cert"]
         wrong_ca = _fedpipe(*check_args, "--root-certificates", str(other_ca))
-        store = work / "fed-store"
         federated = [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}", f"run.store={store}",
                      f"federation.root_certificates={fed.tls['ca_cert']}", f"federation.sites={len(SITES)}",
                      "registry.name=hospitals", "registry.gate_metric=global_accuracy"]

@@ -56,7 +56,7 @@ def private_runs(tmp_path_factory, flower_env):
     # comparing the federation's noise with the simulation's needs the draws the seed fixes
     policy = work / "seeded-noise-policy.yaml"
     policy.write_text("privacy:\n  allow_seeded_noise: true\n")
-    with LoopbackFederation(work / "fed", flower_env) as fed:
+    with LoopbackFederation(work / "fed", flower_env, server_root=work) as fed:
         for folder in folders:
             fed.start_site(folder, policy=policy)
         for mode in cfgs:

@@ -57,7 +57,7 @@ def policed(tmp_path_factory, flower_env):
     manifest, _ = init_manifest(str(pooled))
     write_manifest(str(pooled), manifest)
     folders = {}
-    with LoopbackFederation(work / "fed", flower_env) as fed:
+    with LoopbackFederation(work / "fed", flower_env, server_root=work) as fed:
         for (name, policy), hospital in zip(POLICIES.items(), SITES):
             files = work / "sites" / name / "files"
             shutil.copytree(pooled / hospital, files / hospital)
@@ -241,8 +241,10 @@ out = "{out}"
     environ = fed._environ({"HOSTILE_MARKER_DIR": str(markers)})
     import subprocess
 
-    done = subprocess.run([str(fed.bin / "flwr"), "run", str(app), CONNECTION, "--format", "json"], capture_output=True,
-                          text=True, env=environ, timeout=120, cwd=tmp_path)
+    from fedpipe.federation.control import cli_command  # the operator's connection sends the Control API's token
+
+    done = subprocess.run([*cli_command(fed.bin / "flwr", environ), "run", str(app), CONNECTION, "--format", "json"],
+                          capture_output=True, text=True, env=environ, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     deadline = time.monotonic() + 120
     while not out.exists() and time.monotonic() < deadline:

@@ -20,7 +20,7 @@
    (`fedpipe federation register`) and waits until the SuperLink lists the three nodes online.
 4. `fedpipe compile` compiles the fedavg pipeline for the image with the federation flags the chart passes
    (`--federation-superlink`, `--federation-ca-secret` = the Secret holding only the CA certificate,
-   federation.tls.caSecretName), and kfp's DockerRunner runs it
+   federation.tls.caSecretName, `--federation-control-secret` = the Control API's token), and kfp's DockerRunner runs it
    through podman's Docker API with host networking, with the run parameter engine_mode=federation: config, census,
    the phase at the sites, evaluate, publish, each task in its own container. The ServerApp runs in the superlink
    container (its SuperExec subprocess) and meets the tasks in the run's store (S3).
@@ -43,7 +43,8 @@ What stands in for what:
 Checks: the report (summary.json in the S3 store, signature checked with the chart's signing key) names exactly the
 3 sites and the global model is above chance; each site's container log shows it joined and trained, its state
 folder holds its prepared splits, and it saw only its own folder; the fleet port refuses the Control API (the filter is
-really in the path: the same call through the control port is Flower's 200); the SuperLink container runs as uid 1000
+really in the path: the same call through the control port is Flower's 200 with the chart's token, fedpipe's 403
+without it); the SuperLink container runs as uid 1000
 with a read-only root. Measured on this 2-core machine: see the module's `print`s (`-s`).
 
 This test fails, never skips, when podman, helm or the image is missing: `make images` builds the image.
@@ -100,10 +101,13 @@ def _fedpipe(*args: str, timeout: float = 300) -> str:
     return done.stdout
 
 
-def _post(port: int, path: str, ca: Path) -> tuple[int, str]:
-    """(status, X-Fedpipe-Filter header) of an HTTPS POST to 127.0.0.1:port, trusting the federation's CA only."""
+def _post(port: int, path: str, ca: Path, token: str = "") -> tuple[int, str]:
+    """(status, X-Fedpipe-Filter header) of an HTTPS POST to 127.0.0.1:port, trusting the federation's CA only (and, with
+    `token`, sending the Control API's token, fedpipe.federation.control.HEADER)."""
+    from fedpipe.federation.control import HEADER
+
     request = urllib.request.Request(f"https://127.0.0.1:{port}{path}", data=b"", method="POST",
-                                     headers={"Content-Type": "application/protobuf"})
+                                     headers={"Content-Type": "application/protobuf", **({HEADER: token} if token else {})})
     try:
         with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(ca)), timeout=20) as r:
             return r.status, r.headers.get("X-Fedpipe-Filter", "")
@@ -141,6 +145,8 @@ def _start(box: Containers, work: Path, image: str, repository: str, tag: str, s
                   "--set", f"federation.tls.caSecretName={CA_SECRET}",
                   "--set", f"federation.fleetPort={fleet}", "--set", f"federation.controlPort={control}",
                   "--set", f"federation.linkPort={link}", "--set", f"storage.endpoint={s3_server}",
+                  # the runs' store, the only one the SuperLink's ServerApps may write to (FEDPIPE_SERVER_STORE)
+                  "--set", f"runConfig.run.store=s3://{BUCKET}/runs",
                   "--set", "storage.createSecret=true", "--set", f"storage.accessKey={access}", "--set", f"storage.secretKey={secret}",
                   "--set", f"signing.key={signing_key}", "--set", "pushgateway.enabled=false",
                   "--set", "prometheusScrapeConfig.enabled=false")
@@ -194,14 +200,20 @@ def _start(box: Containers, work: Path, image: str, repository: str, tag: str, s
     wait_for_port(fleet, "the fleet-filter container (fleet port)", lambda: box.stopped_log(names["fleet-filter"]))
     wait_for_port(control, "the fleet-filter container (control port)", lambda: box.stopped_log(names["fleet-filter"]))
 
-    # The operator registers the site keys through the control port, from a container of the image.
+    # The operator registers the site keys through the control port, from a container of the image, with the Control
+    # API's token copied out of the chart's Secret (as NOTES.txt says); its flwr calls send it (fedpipe.federation.control).
+    token = work / "operator-control.token"
+    token.write_bytes(secrets[f"{RELEASE}-superlink-control-token"]["token"])
+    token.chmod(0o644)
     operator = box.run(["run", "-d", "--name", f"{prefix}-operator", "--network", "host", "--pull", "never", "--user", "1000:1000",
                         "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp:rw,mode=1777", "--cap-drop", "ALL",
                         "--security-opt", "no-new-privileges", "-v", f"{inbox}:/inbox:ro", "-v", f"{certs / 'ca.crt'}:/ca/ca.crt:ro",
+                        "-v", f"{token}:/control/token:ro", "-e", "FEDPIPE_CONTROL_TOKEN_FILE=/control/token",
                         image, "sleep", "infinity"])
     connection = (f'[superlink]\ndefault = "operator"\n\n[superlink.operator]\naddress = "127.0.0.1:{control}"\n'
                   'root-certificates = "/ca/ca.crt"\n')
-    flwr = "FLWR_HOME=/tmp/flwr FLWR_TELEMETRY_ENABLED=0 flwr"  # Flower's CLI, on the image's PATH, to list the nodes
+    # Flower's CLI (the image's Flower environment) with the token, to list the nodes
+    flwr = "FLWR_HOME=/tmp/flwr FLWR_TELEMETRY_ENABLED=0 /opt/flower/bin/python -m fedpipe.federation.control flwr"
     script = f"mkdir -p /tmp/flwr && printf '{connection}' > /tmp/flwr/config.toml && " + " && ".join(
         f"fedpipe federation register /inbox/{n}.pub --superlink 127.0.0.1:{control} --root-certificates /ca/ca.crt "
         "--ledger /tmp/federation-sites.json" for n in NAMES)
@@ -263,21 +275,28 @@ def pipeline_run(federation, tmp_path_factory):
     repository, tag = image.rsplit(":", 1)
     storage, signing = fed["secrets"][f"{RELEASE}-storage"], fed["secrets"][f"{RELEASE}-signing"]
     task_env = {"AWS_ACCESS_KEY_ID": storage["accesskey"].decode(), "AWS_SECRET_ACCESS_KEY": storage["secretkey"].decode(),
-                "FEDPIPE_SIGNING_KEY": signing["key"].decode()}
+                "FEDPIPE_SIGNING_KEY": signing["key"].decode(),
+                # as the compiled federation tasks set it (pipelines/builder.py `_federation_step`), for a runner that
+                # does not apply a task's own env
+                "FEDPIPE_CONTROL_TOKEN_FILE": "/etc/fedpipe/federation-control/token"}
     compiled = work / "fedavg.yaml"
     _fedpipe("compile", "-o", str(compiled), "--set", "method.name=fedavg", "--image-repository", repository, "--image-tag", tag,
              "--training-image-tag", tag, "--accelerator-count", "0", "--store", f"s3://{BUCKET}/runs", "--s3-endpoint", s3,
              "--signing-secret", f"{RELEASE}-signing", "--federation-superlink", f"127.0.0.1:{control}",
-             "--federation-ca-secret", CA_SECRET)
-    # The Secret volume the compiled tasks ask for, as the kubelet would mount it (module docstring).
-    [(secret_name, mount_path)] = _task_secret_mounts(compiled)
-    assert secret_name == CA_SECRET, secret_name  # the CA alone: a task pod never gets the SuperLink's key
-    ca_volume = work / "task-secret-volume"
-    ca_volume.mkdir()
-    for key, value in fed["secrets"][secret_name].items():
-        (ca_volume / key).write_bytes(value)
-        (ca_volume / key).chmod(0o644)
-    ca_volume.chmod(0o755)
+             "--federation-ca-secret", CA_SECRET, "--federation-control-secret", f"{RELEASE}-superlink-control-token")
+    # The Secret volumes the compiled tasks ask for, as the kubelet would mount them (module docstring): the CA alone (a
+    # task pod never gets the SuperLink's key) and the Control API's token.
+    mounts = dict(_task_secret_mounts(compiled))
+    assert sorted(mounts) == sorted([CA_SECRET, f"{RELEASE}-superlink-control-token"]), mounts
+    mount_path = mounts[CA_SECRET]
+    volumes = {}
+    for secret_name, path in mounts.items():
+        volume = volumes[path] = work / f"task-secret-volume-{secret_name}"
+        volume.mkdir()
+        for key, value in fed["secrets"][secret_name].items():
+            (volume / key).write_bytes(value)
+            (volume / key).chmod(0o644)
+        volume.chmod(0o755)
 
     # The run's config: no data.source (the sites hold the data).
     env = {"FEDPIPE_S3_ENDPOINT": s3, "AWS_REGION": "us-east-1", **task_env}
@@ -296,7 +315,8 @@ def pipeline_run(federation, tmp_path_factory):
         with podman_service() as socket_url:
             mp.setenv("DOCKER_HOST", socket_url)  # kfp's DockerRunner calls docker.from_env()
             runner = local.DockerRunner(network_mode="host", environment=task_env,
-                                        mounts=[docker.types.Mount(target=mount_path, source=str(ca_volume), type="bind", read_only=True)])
+                                        mounts=[docker.types.Mount(target=path, source=str(volume), type="bind", read_only=True)
+                                                for path, volume in volumes.items()])
             local.init(runner=runner, pipeline_root=str(root), raise_on_error=True)
             try:
                 pipeline(base_config=cfg.to_yaml(), engine_mode="federation", accelerator_count="0")
@@ -316,10 +336,12 @@ def pipeline_run(federation, tmp_path_factory):
 
 def test_the_fleet_port_refuses_the_control_api(federation):
     """The filter is in the path: through the sites' fleet port the Control API is the filter's 404, while the same call
-    through the control port reaches Flower (its 200)."""
+    through the control port reaches the SuperLink: with the chart's token Flower's 200, without it fedpipe's 403."""
     fleet, control, _ = federation["ports"]
-    assert _post(fleet, "/v1/control/list-nodes", federation["ca"]) == (404, "refused")
-    assert _post(control, "/v1/control/list-nodes", federation["ca"]) == (200, "")
+    token = federation["secrets"][f"{RELEASE}-superlink-control-token"]["token"].decode()
+    assert _post(fleet, "/v1/control/list-nodes", federation["ca"], token) == (404, "refused")
+    assert _post(control, "/v1/control/list-nodes", federation["ca"], token) == (200, "")
+    assert _post(control, "/v1/control/list-nodes", federation["ca"]) == (403, "")
 
 
 def test_the_superlink_runs_as_uid_1000_with_a_read_only_root(federation):

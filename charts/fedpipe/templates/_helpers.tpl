@@ -177,6 +177,8 @@ app.kubernetes.io/part-of: fedpipe
 {{- fail "federation.tls.caSecretName: name a Secret holding only ca.crt (the federation's CA certificate) for the pipeline's federation tasks to mount: not the SuperLink's own TLS Secret, whose private key a task pod must never get (`fedpipe federation certs` writes ca.secret.yaml)" }}
 {{- end }}
 {{- $args = append $args (printf "--federation-ca-secret=%s" .Values.federation.tls.caSecretName) }}
+{{- /* The Control API's token: only the federation tasks mount it (they alone submit runs). */}}
+{{- $args = append $args (printf "--federation-control-secret=%s" (include "fedpipe.superlinkControlSecret" .)) }}
 {{- end }}
 {{- toYaml $args }}
 {{- end }}
@@ -399,6 +401,19 @@ pytorchjob
 {{/* The ClusterIP Service of the SuperLink's Control API port (the pipeline's task pods, operators). */}}
 {{- define "fedpipe.superlinkControlName" -}}
 {{- printf "%s-superlink-control" (include "fedpipe.fullname" . | trunc 45 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The run store the pipeline's runs use (pipelines/builder.py `_deployed`: runConfig.run.store when it is s3://, else
+     DeployOptions.store's default), and so the only one the SuperLink's ServerApps may write to. */}}
+{{- define "fedpipe.runStore" -}}
+{{- $store := toString (dig "run" "store" "" .Values.runConfig) }}
+{{- ternary $store "s3://mlpipeline/fedpipe" (hasPrefix "s3://" $store) }}
+{{- end }}
+
+{{/* The Secret whose `token` the SuperLink's Control API asks of every call: federation.controlToken.existingSecret,
+     else the one the chart creates (superlink-control-secret.yaml). */}}
+{{- define "fedpipe.superlinkControlSecret" -}}
+{{- default (printf "%s-token" (include "fedpipe.superlinkControlName" .)) .Values.federation.controlToken.existingSecret }}
 {{- end }}
 
 {{/* The Secret with the SuperLink's tls.crt, tls.key and ca.crt: federation.tls.secretName, or the one cert-manager
