@@ -226,6 +226,18 @@ class Algorithm(ABC):
         their global counterparts). A distributed phase all-reduces the average and calls this directly."""
         return ServerState({**server.global_params, **averaged}, server.per_client)
 
+    def secure_weighting(self, phase: Phase) -> str | None:
+        """How a sum that hides each upload (SecAgg+, `fedpipe.federation.secagg`) can give this phase's aggregate:
+        "samples" (the sample-weighted mean, then `apply_mean`), "uniform" (the unweighted mean, then `apply_mean`), or
+        None: the rule needs each upload. By default "samples" for the plain weighted mean (`WEIGHTED_MEAN`)."""
+        return "samples" if phase.communicates and self.aggregation(phase).is_weighted_mean else None
+
+    def apply_mean(self, server: ServerState, mean: Params) -> ServerState:
+        """The server state from the round's mean upload, weighted as `secure_weighting` says: what a distributed
+        phase's all-reduce or SecAgg+'s unmasked sum hands the server. By default `apply_average`; a method whose rule is
+        post-processing of that mean (pFedMe's server mix) overrides this."""
+        return self.apply_average(server, mean)
+
     def apply_private(self, server: ServerState, estimate: Params) -> ServerState:
         """The server state after a private round (`privacy.enabled`): `estimate` is the differentially private
         mean of the clients' uploads (DP-FedAvg's noised, clipped estimate, `fedpipe.engine.privacy`). By default it

@@ -170,11 +170,19 @@ class PFedMe(Algorithm):
         mixed = {n: ((1 - beta) * old[n].double() + beta * mean[n].double()).to(old[n].dtype) for n in mean}
         return ServerState({**old, **mixed}, server.per_client)
 
+    def secure_weighting(self, phase: Phase) -> str | None:
+        """Algorithm 1's mean is over the sites' w_i, uniform or sample-weighted (`weighting`): a masked sum gives either."""
+        return self.params.weighting if phase.communicates else None
+
+    def apply_mean(self, server: ServerState, mean: Params) -> ServerState:
+        """Algorithm 1's server step, w = (1 - beta) w + beta * mean, from the round's mean (SecAgg+'s unmasked sum)."""
+        beta, old = self.params.beta, server.global_params
+        mixed = {n: ((1 - beta) * old[n].double() + beta * mean[n].double()).to(old[n].dtype) for n in mean}
+        return ServerState({**old, **mixed}, server.per_client)
+
     def apply_private(self, server: ServerState, estimate: Params) -> ServerState:
         """With privacy: Algorithm 1's mix over the private (equal-weight) mean, post-processing of it."""
-        beta, old = self.params.beta, server.global_params
-        mixed = {n: ((1 - beta) * old[n].double() + beta * estimate[n].double()).to(old[n].dtype) for n in estimate}
-        return ServerState({**old, **mixed}, server.per_client)
+        return self.apply_mean(server, estimate)
 
     # --- evaluation -----------------------------------------------------------------------------
     def personalized_candidates(self, server: ServerState, state: Params | None, client_id: int) -> list[tuple[float, Params]]:

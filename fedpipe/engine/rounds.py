@@ -212,7 +212,8 @@ def _aggregate(algorithm: Algorithm, phase: Phase, state: PhaseState, train: Tra
                averaged: dict | None, round_: int):
     """The server state after a round without privacy: with train.robust active on a weighted-mean phase (`check_robust`),
     the robust aggregate of the uploads (`fedpipe.algorithms.robust.robust_average`) applied by `apply_average` as the
-    weighted mean would be; else the ranks' all-reduced mean (`averaged`) applied, or the method's own `aggregate`."""
+    weighted mean would be; else the round's mean (`averaged`: the ranks' all-reduce, SecAgg+'s unmasked sum) applied by
+    `apply_mean`, or the method's own `aggregate`."""
     if train.robust.active and uses_weighted_mean(algorithm, phase):
         if averaged is not None:  # a distributed phase gathers the uploads under a robust rule (`DistributedRound`)
             raise TrainingError(f"Round {round_}: {train.robust.describe()} needs each upload, and only their mean came back.")
@@ -224,8 +225,8 @@ def _aggregate(algorithm: Algorithm, phase: Phase, state: PhaseState, train: Tra
         except ValueError as e:
             raise TrainingError(f"Round {round_} of phase {phase.name!r}: {e}. Nothing of this round was kept; the phase resumes from its last checkpoint when rerun.") from None
         return algorithm.apply_average(state.server, robust)
-    if averaged is not None:
-        return algorithm.apply_average(state.server, averaged)
+    if averaged is not None:  # the ranks' all-reduced weighted mean, or SecAgg+'s (`Algorithm.secure_weighting`)
+        return algorithm.apply_mean(state.server, averaged)
     return algorithm.aggregate(phase, state.server, uploads)
 
 

@@ -80,7 +80,7 @@ def keep(folder: str | Path, name: str, params: dict) -> None:
 
 class AuditedAlgorithm:
     """The server's algorithm with its aggregation hooks audited (test-only: serve wraps it when the audit is on):
-    the digest of every upload `aggregate` receives and of every mean `apply_average` applies."""
+    the digest of every upload `aggregate` receives and of every mean `apply_average` or `apply_mean` applies."""
 
     def __init__(self, algorithm, folder: str | Path):
         self._algorithm, self._folder = algorithm, folder
@@ -96,3 +96,7 @@ class AuditedAlgorithm:
     def apply_average(self, server, averaged):
         record(self._folder, None, "algorithm.apply_average", averaged.values())
         return self._algorithm.apply_average(server, averaged)
+
+    def apply_mean(self, server, mean):
+        record(self._folder, None, "algorithm.apply_mean", mean.values())
+        return self._algorithm.apply_mean(server, mean)

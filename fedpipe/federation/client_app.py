@@ -207,7 +207,11 @@ def secure_train(msg: Message, context: Context) -> Message:
     if outcome.upload is None:
         raise UploadRejected(f"{who} uploads nothing in phase {cfg['phase']!r}: nothing to sum securely")
     secure = spec.federation_cfg.secure_aggregation
-    weight = min(outcome.num_samples, int(secure.max_weight))  # a site with more samples counts as max_weight
+    algorithm, _ = spec.build(DEVICE)
+    if algorithm.secure_weighting(spec.phase(str(cfg["phase"]))) == "uniform":
+        weight = int(secure.max_weight)  # every site the same weight (pFedMe's uniform mean): the largest, the finest quantisation
+    else:
+        weight = min(outcome.num_samples, int(secure.max_weight))  # a site with more samples counts as max_weight
     upload = corrupt(outcome.upload, fault) if fault else outcome.upload
     check_own_upload(who, download, upload, weight, secure)
     site.save_state(str(cfg["phase"]), outcome.new_state, spec)  # stays here

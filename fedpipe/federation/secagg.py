@@ -48,7 +48,6 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
-from fedpipe.algorithms.aggregation import uses_weighted_mean
 from fedpipe.algorithms.base import Algorithm, Phase
 from fedpipe.config import SecureAggregationConfig
 from fedpipe.engine.clients import ClientOutcome, ClientWork
@@ -77,9 +76,9 @@ def check_secure(spec: FederationSpec, algorithm: Algorithm, phase: Phase) -> No
     why = refusal(spec.method["name"], secure_aggregation=True, robust=spec.train_cfg.robust.active)
     if why:
         raise ConfigError(why)
-    if phase.communicates and not uses_weighted_mean(algorithm, phase):
+    if phase.communicates and algorithm.secure_weighting(phase) is None:
         raise ConfigError(f"federation.secure_aggregation: phase {phase.name!r} of {spec.method['name']!r} does not aggregate by "
-                          f"the plain weighted mean ({algorithm.aggregation(phase).description}): the server would need each upload")
+                          f"a mean of the uploads ({algorithm.aggregation(phase).description}): the server would need each upload")
 
 
 def message_bytes(msg: Message) -> int:

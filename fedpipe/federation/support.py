@@ -38,8 +38,9 @@ NOT_YET: dict[str, str] = {
 
 
 #: The methods that may run with `federation.secure_aggregation.enabled` (SecAgg+, Bell et al. 2020): their round's
-#: aggregation is the plain sample-weighted mean of the uploads, which Flower's SecAgg+ workflow computes from the
-#: masked sum alone (fedpipe/federation/secagg.py), so the server never needs one site's upload.
+#: aggregation is a mean of the uploads (sample-weighted, or uniform: `Algorithm.secure_weighting`) followed by the
+#: method's own step from it (`Algorithm.apply_mean`), which Flower's SecAgg+ workflow computes from the masked sum
+#: alone (fedpipe/federation/secagg.py), so the server never needs one site's upload.
 SECURE_AGGREGATION: dict[str, str] = {
     "fedavg": "the round's weighted mean is computed from the masked sum alone (tests/federation/test_secagg.py)",
     "fedprox": "as FedAvg: the global model's weighted mean",
@@ -50,12 +51,12 @@ SECURE_AGGREGATION: dict[str, str] = {
     "apfl": "the global model's weighted mean; the local models and alphas stay at the sites",
     "fedper": "the shared base layers' weighted mean; the personalization layers stay at the sites",
     "lgfedavg": "the global top layers' weighted mean; the representation layers stay at the sites (tests/federation/test_secagg.py)",
+    "pfedme": "the sites' w_i averaged under the masks with method.weighting's weights (uniform: every site max_weight), then "
+              "the server's mix w = (1 - beta) w + beta * mean (tests/federation/test_secagg.py)",
 }
 
 #: Why a federated method is refused with secure aggregation today (default: its aggregation needs each upload).
 SECURE_NOT_YET: dict[str, str] = {
-    "pfedme": "its server step, w = (1 - beta) w + beta * mean, weighs the sites uniformly, not by samples: SecAgg+'s "
-              "weighted sum would change the method",
     "pfedmb": "each branch is averaged with the weights n_i * alpha_i, which depend on each site's alpha: the server needs "
               "each site's alpha",
     "fedavg_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedavg under SecAgg+ instead",

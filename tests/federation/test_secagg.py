@@ -92,12 +92,13 @@ def test_secure_aggregation_refused_for_methods_that_are_not_a_weighted_sum(tmp_
     assert refusal("fedavg", secure_aggregation=True) is None
     assert "fedavg" in SECURE_AGGREGATION and secure_refusal("fedavg") is None
     assert refusal("superfed_mm", secure_aggregation=True) is None
-    why = refusal("pfedme", secure_aggregation=True)
-    assert why and "pfedme" in why and "uniformly" in why and "\n" not in why
+    why = refusal("pfedmb", secure_aggregation=True)
+    assert why and "pfedmb" in why and "alpha" in why and "\n" not in why
     assert "not a plain weighted sum" in secure_refusal("fedamp")
-    assert refusal("pfedme") is None  # the plain path is unchanged
-    cfg = load_config(None, [*OVERRIDES, "method.name=pfedme", *SECURE, f"run.store={tmp_path}"])
-    with pytest.raises(ConfigError, match="secure_aggregation is not available for method 'pfedme'.*uniformly"):
+    assert refusal("pfedmb") is None  # the plain path is unchanged
+    assert refusal("pfedme", secure_aggregation=True) is None  # a uniform mean, then its server mix
+    cfg = load_config(None, [*OVERRIDES, "method.name=pfedmb", "method.finetune_epochs=0", *SECURE, f"run.store={tmp_path}"])
+    with pytest.raises(ConfigError, match="secure_aggregation is not available for method 'pfedmb'.*alpha"):
         FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
     spec = FederationSpec.from_run_config(load_config(None, [*OVERRIDES, *SECURE, f"run.store={tmp_path}"]), (1, 28, 28), 10, 4)
     assert spec.federation_cfg.secure_aggregation.enabled
@@ -198,7 +199,7 @@ def test_secure_federation_ends_near_the_plain_run(secure):
 @pytest.mark.timeout(900)
 def test_server_never_holds_an_individual_update(secure):
     """No site's plain upload reaches the ServerApp (its replies, aggregate_fit, check_upload, Algorithm.aggregate or
-    apply_average): only masked vectors and the round's mean do. With the plain path the first assertion fails
+    apply_mean): only masked vectors and the round's mean do. With the plain path the first assertion fails
     (the reply's `upload` record and check_upload carry each site's upload digest)."""
     server = audit.read(secure["out"])
     sites = {(x["round"], x["client"]): x["digest"] for f in secure["folders"] for x in audit.read(f) if x["where"] == "plain-upload"}
@@ -206,13 +207,13 @@ def test_server_never_holds_an_individual_update(secure):
     held = {x["digest"] for x in server}
     assert not held & set(sites.values()), "the server held a site's plain upload"
     wheres = {x["where"] for x in server}
-    assert {"reply:masked-vector", "aggregate_fit", "algorithm.apply_average"} <= wheres
+    assert {"reply:masked-vector", "aggregate_fit", "algorithm.apply_mean"} <= wheres
     assert not wheres & {"check_upload", "algorithm.aggregate"}, wheres
-    assert all(w.startswith(("reply:masked-vector", "aggregate_fit", "algorithm.apply_average", "secure-aggregate")) for w in wheres), wheres
+    assert all(w.startswith(("reply:masked-vector", "aggregate_fit", "algorithm.apply_mean", "secure-aggregate")) for w in wheres), wheres
     assert sum(x["where"] == "reply:masked-vector" for x in server) == 4 * 2
     # the aggregate does reach the hooks: the final global model is the last round's mean
     final = audit.digest(secure["federated"].values())
-    assert final in {x["digest"] for x in server if x["where"] == "algorithm.apply_average" and x["round"] is None}
+    assert final in {x["digest"] for x in server if x["where"] == "algorithm.apply_mean" and x["round"] is None}
     assert final in {x["digest"] for x in server if x["where"] == "aggregate_fit" and x["round"] == 2}
 
 
@@ -247,12 +248,13 @@ def test_site_failing_its_own_check_drops_out(tmp_path, flower_env):
 
 @pytest.mark.federation
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["superfed_mm", "lgfedavg"])
+@pytest.mark.parametrize("method", ["superfed_mm", "lgfedavg", "pfedme"])
 def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, method):
     """In one process, as above: SuPerFed-MM's two phases (Phase I, then Phase II with each site's local model kept in
-    its own folder) and LG-FedAvg (only the global top layers travel; the representation layers stay at the sites)
-    under SecAgg+. Each round's aggregate is the plain path's `weighted_average` of the uploads the sites actually
-    made, within the quantisation bound of the module docstring; the server's round got no upload of its own."""
+    its own folder), LG-FedAvg (only the global top layers travel; the representation layers stay at the sites) and
+    pFedMe (Algorithm 1's uniform mean of the sites' w_i: every site weighs max_weight, then the server's mix) under
+    SecAgg+. Each round's aggregate is the plain path's `weighted_average` of the uploads the sites actually made,
+    within the quantisation bound of the module docstring; the server's round got no upload of its own."""
     from fedpipe.federation.tryout import prepare
 
     sets = [*OVERRIDES, *SECURE, f"method.name={method}", "train.rounds=2", f"run.store={tmp_path / 'store'}", "run.id=inproc"]
@@ -263,7 +265,8 @@ def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, meth
                         str(tmp_path / "out"), *map(str, folders), "--rounds", "2"], capture_output=True, text=True, timeout=500, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rounds = json.loads((tmp_path / "out" / "result.json").read_text())["rounds"]
-    phases = {"superfed_mm": ["federation", "personalization"], "lgfedavg": ["federation", "federation"]}[method]
+    phases = {"superfed_mm": ["federation", "personalization"], "lgfedavg": ["federation", "federation"],
+              "pfedme": ["federation", "federation"]}[method]
     assert [x.get("phase") for x in rounds] == phases and all("error" not in x for x in rounds), rounds
     for x in rounds:
         n = x["round"]
@@ -274,8 +277,10 @@ def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, meth
         assert aggregate.keys() == uploads[0].keys()
         bound = quantisation_bound(cfg.federation.secure_aggregation, weights, max(float(t.abs().max()) for u in uploads for t in u.values()))
         assert worst(aggregate, weighted_average(uploads, weights)) <= bound + 1e-7, n
+        if method == "pfedme":  # the uniform mean: every site the same weight, not its sample count
+            assert set(weights) == {cfg.federation.secure_aggregation.max_weight}, weights
     if method == "superfed_mm":  # Phase II's local models stayed at the sites
         assert all((f / "state" / "personalization.safetensors").exists() for f in folders)
-    else:  # only the global top layers travelled
+    elif method == "lgfedavg":  # only the global top layers travelled
         _, initial = FederationSpec.read(spec_file).build(torch.device("cpu"))
         assert set(aggregate) < set(initial)
