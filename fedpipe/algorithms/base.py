@@ -232,6 +232,11 @@ class Algorithm(ABC):
         None: the rule needs each upload. By default "samples" for the plain weighted mean (`WEIGHTED_MEAN`)."""
         return "samples" if phase.communicates and self.aggregation(phase).is_weighted_mean else None
 
+    def secure_upload(self, phase: Phase, upload: Params) -> Params:
+        """What a site puts under SecAgg+'s masks instead of its upload (same names, shapes and dtypes), so that the
+        masked sum's mean is what `apply_mean` needs. By default the upload itself; pFedMB sends alpha * branch."""
+        return upload
+
     def apply_mean(self, server: ServerState, mean: Params) -> ServerState:
         """The server state from the round's mean upload, weighted as `secure_weighting` says: what a distributed
         phase's all-reduce or SecAgg+'s unmasked sum hands the server. By default `apply_average`; a method whose rule is

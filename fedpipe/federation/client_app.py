@@ -208,12 +208,19 @@ def secure_train(msg: Message, context: Context) -> Message:
         raise UploadRejected(f"{who} uploads nothing in phase {cfg['phase']!r}: nothing to sum securely")
     secure = spec.federation_cfg.secure_aggregation
     algorithm, _ = spec.build(DEVICE)
-    if algorithm.secure_weighting(spec.phase(str(cfg["phase"]))) == "uniform":
+    phase = spec.phase(str(cfg["phase"]))
+    layout = algorithm.upload_layout(phase, download)  # what the server sums, in the order it names
+    order = json.loads(str(cfg["upload-names"])) if "upload-names" in cfg else list(layout)
+    if order != list(layout):
+        raise UploadRejected(f"{who}: the server names the upload's tensors {order[:3]}..., the method {list(layout)[:3]}...")
+    if algorithm.secure_weighting(phase) == "uniform":
         weight = int(secure.max_weight)  # every site the same weight (pFedMe's uniform mean): the largest, the finest quantisation
     else:
         weight = min(outcome.num_samples, int(secure.max_weight))  # a site with more samples counts as max_weight
     upload = corrupt(outcome.upload, fault) if fault else outcome.upload
-    check_own_upload(who, download, upload, weight, secure)
+    upload = {n: upload[n] for n in order if n in upload} | {n: t for n, t in upload.items() if n not in order}
+    check_own_upload(who, layout, upload, weight, secure)
+    upload = algorithm.secure_upload(phase, upload)  # pFedMB: alpha * branch, so that the masked mean gives Eq. 5
     site.save_state(str(cfg["phase"]), outcome.new_state, spec)  # stays here
     audit.record(site.folder, round_, "plain-upload", upload.values(), client=site.client_id, weight=weight)  # test-only
     audit.keep(site.folder, f"upload-{round_}", upload)

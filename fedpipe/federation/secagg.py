@@ -231,7 +231,10 @@ class SecureSiteRound:
         up = self.online(set(by_node))
         layout = works[0].download if works else {}
         names = list(layout)
-        config = {"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr), "names": json.dumps(names)}
+        # what the sites sum: the method's upload layout (pFedMB: its branches and alpha), in this order
+        uploaded = self.plain.expected_upload(works[0]) if works else {}
+        config = {"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr), "names": json.dumps(names),
+                  "upload-names": json.dumps(list(uploaded))}
         strategy = RoundStrategy(self.log_path)
         # the legacy wire layout (FitIns: parameters as NumPy arrays in `names` order, config scalars) is what the
         # workflow forwards in its collect stage (compat.fitins_to_recorddict) and the site's handler reads back
@@ -245,7 +248,7 @@ class SecureSiteRound:
         if len(strategy.fitins) >= 2:
             self.workflow(grid, context)  # four exchanges; returns early (logged "halted") when too few sites remain
         halted = strategy.mean is None
-        averaged = None if halted else self._averaged(strategy.mean, layout)
+        averaged = None if halted else self._averaged(strategy.mean, uploaded)
         outcomes = [self._secure_outcome(w, node, round_, up, strategy, halted) for node, w in by_node.items()]
         self.secure[round_] = self._protocol_line(strategy, halted, len(strategy.fitins), time.perf_counter() - t0)
         if averaged is not None:

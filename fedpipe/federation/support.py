@@ -53,12 +53,12 @@ SECURE_AGGREGATION: dict[str, str] = {
     "lgfedavg": "the global top layers' weighted mean; the representation layers stay at the sites (tests/federation/test_secagg.py)",
     "pfedme": "the sites' w_i averaged under the masks with method.weighting's weights (uniform: every site max_weight), then "
               "the server's mix w = (1 - beta) w + beta * mean (tests/federation/test_secagg.py)",
+    "pfedmb": "Eq. 5 as a quotient of two masked sums: each site sends alpha * branch and its alpha, the server divides the "
+              "means branch by branch; with method.finetune_epochs=0 (tests/federation/test_secagg.py)",
 }
 
 #: Why a federated method is refused with secure aggregation today (default: its aggregation needs each upload).
 SECURE_NOT_YET: dict[str, str] = {
-    "pfedmb": "each branch is averaged with the weights n_i * alpha_i, which depend on each site's alpha: the server needs "
-              "each site's alpha",
     "fedavg_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedavg under SecAgg+ instead",
     "fedprox_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedprox under SecAgg+ instead",
 }

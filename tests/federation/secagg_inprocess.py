@@ -90,7 +90,7 @@ def main() -> None:
     state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
     rounds = []
     for phase in spec.phases():  # every phase's rounds up to --rounds, each phase with its own trainer (as serve does)
-        trainer = SecureSiteRound(SiteRound(grid, roster, spec, phase, 60.0, out), spec)
+        trainer = SecureSiteRound(SiteRound(grid, roster, spec, phase, 60.0, out, algorithm=algorithm), spec)
         for r in range(phase.first_round, min(phase.last_round, a.rounds) + 1):
             try:
                 result = run_round(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, r)

@@ -92,16 +92,48 @@ def test_secure_aggregation_refused_for_methods_that_are_not_a_weighted_sum(tmp_
     assert refusal("fedavg", secure_aggregation=True) is None
     assert "fedavg" in SECURE_AGGREGATION and secure_refusal("fedavg") is None
     assert refusal("superfed_mm", secure_aggregation=True) is None
-    why = refusal("pfedmb", secure_aggregation=True)
-    assert why and "pfedmb" in why and "alpha" in why and "\n" not in why
+    why = refusal("fedavg_ft", secure_aggregation=True)
+    assert why and "fedavg_ft" in why and "finetune" in why and "\n" not in why
     assert "not a plain weighted sum" in secure_refusal("fedamp")
-    assert refusal("pfedmb") is None  # the plain path is unchanged
+    assert refusal("fedavg_ft") is None  # the plain path is unchanged
     assert refusal("pfedme", secure_aggregation=True) is None  # a uniform mean, then its server mix
-    cfg = load_config(None, [*OVERRIDES, "method.name=pfedmb", "method.finetune_epochs=0", *SECURE, f"run.store={tmp_path}"])
-    with pytest.raises(ConfigError, match="secure_aggregation is not available for method 'pfedmb'.*alpha"):
+    assert refusal("pfedmb", secure_aggregation=True) is None  # Eq. 5 as a quotient of two masked sums
+    cfg = load_config(None, [*OVERRIDES, "method.name=fedavg_ft", *SECURE, f"run.store={tmp_path}"])
+    with pytest.raises(ConfigError, match="finetune"):
         FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
     spec = FederationSpec.from_run_config(load_config(None, [*OVERRIDES, *SECURE, f"run.store={tmp_path}"]), (1, 28, 28), 10, 4)
     assert spec.federation_cfg.secure_aggregation.enabled
+
+
+@pytest.mark.parametrize("method, sets", [("pfedmb", ["method.num_branches=3", "method.finetune_epochs=0"]),
+                                           ("pfedme", ["method.beta=0.5"]), ("fedavg", [])])
+def test_the_masked_mean_gives_the_methods_own_aggregate(method, sets):
+    """What SecAgg+ hands the server, the mean of each site's `secure_upload` weighted as `secure_weighting` says, gives
+    through `apply_mean` the method's own `aggregate` of the plain uploads: pFedMB's Eq. 5 (a quotient of the means of
+    n_i alpha^i W^i and n_i alpha^i), pFedMe's mix over the uniform mean, FedAvg's weighted mean. No Flower."""
+    from fedpipe.algorithms.base import ServerState, Upload
+
+    cfg = load_config(None, [*OVERRIDES, f"method.name={method}", *sets])
+    spec = FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
+    algorithm, initial = spec.build(torch.device("cpu"))
+    phase = spec.phases()[0]
+    server = ServerState(initial)
+    generator = torch.Generator().manual_seed(0)
+    uploads = []
+    for k, n in enumerate((700, 300, 500)):
+        layout = algorithm.upload_layout(phase, algorithm.download(phase, server, k))
+        up = {name: t + 0.1 * torch.randn(t.shape, generator=generator, dtype=t.dtype) for name, t in layout.items()}
+        if method == "pfedmb":  # each row of alpha on the simplex, one branch of one row unweighted by this site
+            a = torch.rand(up["alpha"].shape, generator=generator, dtype=up["alpha"].dtype)
+            a[0, -1] = 0.0
+            up["alpha"] = a / a.sum(dim=1, keepdim=True)
+        uploads.append(Upload(k, n, up))
+    weights = [1.0 if algorithm.secure_weighting(phase) == "uniform" else u.num_samples for u in uploads]
+    mean = weighted_average([algorithm.secure_upload(phase, u.tensors) for u in uploads], weights)
+    secure, plain = algorithm.apply_mean(server, mean).global_params, algorithm.aggregate(phase, server, uploads).global_params
+    assert secure.keys() == plain.keys() and "alpha" not in secure
+    for name in plain:
+        torch.testing.assert_close(secure[name], plain[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{method} {name}: {m}")
 
 
 def test_audit_digest_ignores_names_order_and_float_width():
@@ -248,7 +280,7 @@ def test_site_failing_its_own_check_drops_out(tmp_path, flower_env):
 
 @pytest.mark.federation
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["superfed_mm", "lgfedavg", "pfedme"])
+@pytest.mark.parametrize("method", ["superfed_mm", "lgfedavg", "pfedme", "pfedmb"])
 def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, method):
     """In one process, as above: SuPerFed-MM's two phases (Phase I, then Phase II with each site's local model kept in
     its own folder), LG-FedAvg (only the global top layers travel; the representation layers stay at the sites) and
@@ -257,7 +289,8 @@ def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, meth
     within the quantisation bound of the module docstring; the server's round got no upload of its own."""
     from fedpipe.federation.tryout import prepare
 
-    sets = [*OVERRIDES, *SECURE, f"method.name={method}", "train.rounds=2", f"run.store={tmp_path / 'store'}", "run.id=inproc"]
+    extra = ["method.finetune_epochs=0", "method.num_branches=3"] if method == "pfedmb" else []
+    sets = [*OVERRIDES, *SECURE, f"method.name={method}", *extra, "train.rounds=2", f"run.store={tmp_path / 'store'}", "run.id=inproc"]
     cfg = load_config(None, sets)
     spec_file, folders = prepare(cfg, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", audit.AUDIT_ENV: "1"}
@@ -266,7 +299,7 @@ def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, meth
     assert r.returncode == 0, r.stderr[-3000:]
     rounds = json.loads((tmp_path / "out" / "result.json").read_text())["rounds"]
     phases = {"superfed_mm": ["federation", "personalization"], "lgfedavg": ["federation", "federation"],
-              "pfedme": ["federation", "federation"]}[method]
+              "pfedme": ["federation", "federation"], "pfedmb": ["federation", "federation"]}[method]
     assert [x.get("phase") for x in rounds] == phases and all("error" not in x for x in rounds), rounds
     for x in rounds:
         n = x["round"]
