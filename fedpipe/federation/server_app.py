@@ -225,8 +225,8 @@ class SiteRound:
         self.reports.setdefault(round_, {})[cid] = {k: metrics[k] for k in ("state-in", "state-out") if k in metrics}
         if "error" in content:
             return self._reject(cid, round_, 0, f"ClientFailed: {site}: {content['error']['message']}")
-        try:  # the weight is the census's count, never the reply's claim
-            samples = vouched_samples(site, self.roster.by_id[cid].samples, metrics, self.privacy is not None)
+        try:  # an upload's weight is the census's count, never the reply's claim (a phase that uploads nothing weighs nothing)
+            samples = vouched_samples(site, self.roster.by_id[cid].samples, metrics, self.privacy is not None) if "upload" in content else 0
         except ClaimRefused as e:
             return self._reject(cid, round_, 0, f"UploadRejected: {e}")
         upload, sent = None, 0
@@ -454,7 +454,7 @@ def _train(spec: FederationSpec, algorithm: Algorithm, roster: Roster, state: Ph
     and published; (state, True) when `stop_after` names a phase, which then ends the submission."""
     for phase in spec.phases():
         site_round = trainer(phase)
-        if spec.federation_cfg.secure_aggregation.enabled:
+        if spec.federation_cfg.secure_aggregation.enabled and phase.communicates:  # a finetune phase sends nothing to sum
             from fedpipe.federation import secagg
 
             site_round = secagg.SecureSiteRound(site_round, spec)

@@ -31,16 +31,14 @@ def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure
             robust: bool = False) -> str | None:
     """Why `method` cannot run federated yet (with `secure_aggregation`: under SecAgg+), in one line; None when it can.
     A `finetune` phase (`finetune_epochs` > 0) runs at the sites like any phase: each site fine-tunes, keeps the result
-    in its own store and evaluates it there (`client_app.evaluate`); only SecAgg+ rounds, which need an upload, refuse it.
+    in its own store and evaluates it there (`client_app.evaluate`); it uploads nothing, so under SecAgg+ its rounds are
+    plain ones (nothing to mask).
     `robust`: train.robust is active (a robust rule needs each update, which SecAgg+ never shows the server)."""
     if robust and secure_aggregation:
         return SECURE_AGGREGATION_REFUSAL
     if privacy and secure_aggregation:
         return ("privacy.enabled with federation.secure_aggregation is not federated yet: the server would need the sum of the "
                 "clipped updates, and SecAgg+ hands it the weighted mean; use one of them")
-    if finetune_epochs and secure_aggregation:
-        return ("method.finetune_epochs > 0 is not available with federation.secure_aggregation yet: its finetune phase uploads "
-                "nothing, and a SecAgg+ round needs every site's masked upload")
     if method not in SUPPORTED:
         return (f"method {method!r} is not federated yet: {NOT_YET.get(method, 'not wired to the SuperLink')} "
                 f"(federated today: {', '.join(SUPPORTED)})")

@@ -54,22 +54,20 @@ SECURE_AGGREGATION: dict[str, str] = {
     "pfedme": "the sites' w_i averaged under the masks with method.weighting's weights (uniform: every site max_weight), then "
               "the server's mix w = (1 - beta) w + beta * mean (tests/federation/test_secagg.py)",
     "pfedmb": "Eq. 5 as a quotient of two masked sums: each site sends alpha * branch and its alpha, the server divides the "
-              "means branch by branch; with method.finetune_epochs=0 (tests/federation/test_secagg.py)",
+              "means branch by branch; its finetune phase sends nothing (tests/federation/test_secagg.py)",
+    "fedavg_ft": "FedAvg's weighted mean under the masks; the finetune phase sends nothing, so its rounds are plain ones",
+    "fedprox_ft": "as FedAvg-FT",
 }
 
-#: Why a federated method is refused with secure aggregation today (default: its aggregation needs each upload).
-SECURE_NOT_YET: dict[str, str] = {
-    "fedavg_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedavg under SecAgg+ instead",
-    "fedprox_ft": "its finetune phase uploads nothing for SecAgg+ to sum: run fedprox under SecAgg+ instead",
-}
-SECURE_DEFAULT = "its aggregation is not a plain weighted sum of the uploads: the server needs each site's upload"
+#: Why a method outside SECURE_AGGREGATION is refused with it (every federated method is in it today).
+SECURE_DEFAULT = "its aggregation is not a mean of the uploads: the server needs each site's upload"
 
 
 def secure_refusal(method: str) -> str | None:
     """Why `method` cannot run with secure aggregation, in one line; None when it can."""
     if method in SECURE_AGGREGATION:
         return None
-    return (f"federation.secure_aggregation is not available for method {method!r}: {SECURE_NOT_YET.get(method, SECURE_DEFAULT)} "
+    return (f"federation.secure_aggregation is not available for method {method!r}: {SECURE_DEFAULT} "
             f"(secure aggregation today: {', '.join(SECURE_AGGREGATION)})")
 
 

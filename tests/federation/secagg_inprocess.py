@@ -90,15 +90,17 @@ def main() -> None:
     state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {})
     rounds = []
     for phase in spec.phases():  # every phase's rounds up to --rounds, each phase with its own trainer (as serve does)
-        trainer = SecureSiteRound(SiteRound(grid, roster, spec, phase, 60.0, out, algorithm=algorithm), spec)
+        trainer = SiteRound(grid, roster, spec, phase, 60.0, out, algorithm=algorithm)
+        if phase.communicates:  # a finetune phase sends nothing to sum: plain rounds, as serve runs them
+            trainer = SecureSiteRound(trainer, spec)
         for r in range(phase.first_round, min(phase.last_round, a.rounds) + 1):
             try:
                 result = run_round(algorithm, phase, roster, state, spec.train_cfg, spec.seed, trainer, r)
                 rounds.append({"round": r, "phase": phase.name, "clients": result.clients, "failed": result.failed_clients,
-                               "bytes_up": result.bytes_uploaded, "secure": trainer.secure[r],
+                               "bytes_up": result.bytes_uploaded, "secure": trainer.secure[r] if phase.communicates else None,
                                "rejected": [x for x in trainer.rejected if x["round"] == r]})
             except Exception as e:
-                rounds.append({"round": r, "phase": phase.name, "error": f"{type(e).__name__}: {e}", "secure": trainer.secure.get(r),
+                rounds.append({"round": r, "phase": phase.name, "error": f"{type(e).__name__}: {e}", "secure": getattr(trainer, "secure", {}).get(r),
                                "rejected": [x for x in trainer.rejected if x["round"] == r]})
                 (out / "result.json").write_text(json.dumps({"rounds": rounds}, indent=1))
                 return

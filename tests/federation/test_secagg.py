@@ -92,14 +92,13 @@ def test_secure_aggregation_refused_for_methods_that_are_not_a_weighted_sum(tmp_
     assert refusal("fedavg", secure_aggregation=True) is None
     assert "fedavg" in SECURE_AGGREGATION and secure_refusal("fedavg") is None
     assert refusal("superfed_mm", secure_aggregation=True) is None
-    why = refusal("fedavg_ft", secure_aggregation=True)
-    assert why and "fedavg_ft" in why and "finetune" in why and "\n" not in why
-    assert "not a plain weighted sum" in secure_refusal("fedamp")
-    assert refusal("fedavg_ft") is None  # the plain path is unchanged
+    why = secure_refusal("fedamp")  # a method whose rule needs each upload (were it federated)
+    assert why and "fedamp" in why and "not a mean of the uploads" in why and "\n" not in why
+    assert refusal("fedavg_ft", secure_aggregation=True) is None  # its finetune phase sends nothing: plain rounds
     assert refusal("pfedme", secure_aggregation=True) is None  # a uniform mean, then its server mix
     assert refusal("pfedmb", secure_aggregation=True) is None  # Eq. 5 as a quotient of two masked sums
-    cfg = load_config(None, [*OVERRIDES, "method.name=fedavg_ft", *SECURE, f"run.store={tmp_path}"])
-    with pytest.raises(ConfigError, match="finetune"):
+    cfg = load_config(None, [*OVERRIDES, "method.name=fedavg", "privacy.enabled=true", *SECURE, f"run.store={tmp_path}"])
+    with pytest.raises(ConfigError, match="privacy.enabled with federation.secure_aggregation"):
         FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
     spec = FederationSpec.from_run_config(load_config(None, [*OVERRIDES, *SECURE, f"run.store={tmp_path}"]), (1, 28, 28), 10, 4)
     assert spec.federation_cfg.secure_aggregation.enabled
@@ -289,20 +288,25 @@ def test_personalized_methods_are_securely_aggregated(tmp_path, flower_env, meth
     within the quantisation bound of the module docstring; the server's round got no upload of its own."""
     from fedpipe.federation.tryout import prepare
 
-    extra = ["method.finetune_epochs=0", "method.num_branches=3"] if method == "pfedmb" else []
+    extra = ["method.finetune_epochs=1", "method.num_branches=3"] if method == "pfedmb" else []
     sets = [*OVERRIDES, *SECURE, f"method.name={method}", *extra, "train.rounds=2", f"run.store={tmp_path / 'store'}", "run.id=inproc"]
     cfg = load_config(None, sets)
     spec_file, folders = prepare(cfg, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", audit.AUDIT_ENV: "1"}
     r = subprocess.run([str(flower_env / "bin" / "python"), str(Path(__file__).with_name("secagg_inprocess.py")), str(spec_file),
-                        str(tmp_path / "out"), *map(str, folders), "--rounds", "2"], capture_output=True, text=True, timeout=500, env=env)
+                        str(tmp_path / "out"), *map(str, folders), "--rounds", "3" if method == "pfedmb" else "2"],
+                       capture_output=True, text=True, timeout=500, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rounds = json.loads((tmp_path / "out" / "result.json").read_text())["rounds"]
     phases = {"superfed_mm": ["federation", "personalization"], "lgfedavg": ["federation", "federation"],
-              "pfedme": ["federation", "federation"], "pfedmb": ["federation", "federation"]}[method]
+              "pfedme": ["federation", "federation"], "pfedmb": ["federation", "federation", "finetune"]}[method]
     assert [x.get("phase") for x in rounds] == phases and all("error" not in x for x in rounds), rounds
     for x in rounds:
         n = x["round"]
+        if x["phase"] == "finetune":  # pFedMB's finetune sends nothing: a plain round, nothing masked, each site keeps its model
+            assert (x["clients"], x["failed"], x["secure"], x["bytes_up"]) == (4, 0, None, 0), x
+            assert all((f / "state" / "finetune.safetensors").exists() for f in folders)
+            continue
         assert x["clients"] == 4 and x["secure"]["sites_summed"] == 4 and x["failed"] == 0
         uploads = [safetensors.torch.load_file(str(f / "audit" / f"upload-{n}.safetensors")) for f in folders]
         weights = [next(a["weight"] for a in audit.read(f) if a["round"] == n) for f in folders]
