@@ -150,6 +150,39 @@ def alpha_weighted_average(
     return out
 
 
+def secure_sum_terms(upload: Params, layout: BranchLayout) -> Params:
+    """What a site puts under SecAgg+'s masks for Eq. 5: each branch b of layer l times its alpha_{l,b}, its alpha as it
+    is. The sample-weighted mean of these is sum_i n_i alpha^i W^i / N and sum_i n_i alpha^i / N."""
+    alpha, out = upload[ALPHA], dict(upload)
+    for layer in layout.layers:
+        row = layout.row_of(layer)
+        for n in layout.tensors[layer]:
+            t = upload[n]
+            out[n] = t * alpha[row].to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+    return out
+
+
+def from_secure_means(mean: Params, layout: BranchLayout, previous: Params, use_alpha: bool = True) -> Params:
+    """Eq. 5 from the means of `secure_sum_terms`: W_{l,b} = mean(n alpha W)_{l,b} / mean(n alpha)_{l,b}; a branch whose
+    mean alpha is at most SECURE_MIN_ALPHA (no site weighted it, up to SecAgg+'s quantisation) keeps its `previous`
+    value. Eq. 6 (`use_alpha=False`): the means themselves. Unbranched tensors: the sample-weighted mean."""
+    out = {n: mean[n] for n in previous if n not in layout.branched_names}
+    alpha = mean[ALPHA].double()
+    for layer in layout.layers:
+        row = layout.row_of(layer)
+        for n in layout.tensors[layer]:
+            branches = []
+            for b in range(layout.num_branches):
+                if not use_alpha:
+                    branches.append(mean[n][b])
+                elif float(alpha[row, b]) > SECURE_MIN_ALPHA:
+                    branches.append((mean[n][b].double() / alpha[row, b]).to(previous[n].dtype))
+                else:
+                    branches.append(previous[n][b])
+            out[n] = torch.stack(branches)
+    return out
+
+
 class PFedMB(Algorithm):
     name = "pfedmb"
     Params = PFedMBParams
@@ -259,45 +292,17 @@ class PFedMB(Algorithm):
                                      use_alpha=self.params.aggregation == "alpha_weighted")
         return ServerState(new, server.per_client)  # the alphas are not kept
 
-    # --- under SecAgg+: Eq. 5 from two masked sums -----------------------------------------------------------------
+    # --- under SecAgg+: Eq. 5 from two masked sums (`secure_sum_terms`, `from_secure_means`) -------------------------
     def secure_weighting(self, phase: Phase) -> str | None:
         """Eq. 5 (and Eq. 6) are quotients of sample-weighted sums: a masked sum of n_i alpha^i W^i and one of n_i alpha^i."""
         return "samples" if phase.communicates else None
 
     def secure_upload(self, phase: Phase, upload: Params) -> Params:
-        """Each branch b of layer l times the site's alpha_{l,b} (Eq. 5's numerator term), its alpha as it is: the
-        sample-weighted mean of these is sum_i n_i alpha^i W^i / N and sum_i n_i alpha^i / N. Eq. 6 (plain): unchanged."""
-        if self.params.aggregation != "alpha_weighted":
-            return upload
-        alpha, out = upload[ALPHA], dict(upload)
-        for layer in self.layout.layers:
-            row = self.layout.row_of(layer)
-            for n in self.layout.tensors[layer]:
-                t = upload[n]
-                out[n] = t * alpha[row].to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
-        return out
+        return secure_sum_terms(upload, self.layout) if self.params.aggregation == "alpha_weighted" else upload
 
     def apply_mean(self, server: ServerState, mean: Params) -> ServerState:
-        """Eq. 5 from the means of `secure_upload`'s tensors: W_{l,b} = mean(n alpha W)_{l,b} / mean(n alpha)_{l,b}; a branch
-        whose mean alpha is below SECURE_MIN_ALPHA (no site weighted it, up to SecAgg+'s quantisation) keeps its value.
-        Unbranched tensors are the sample-weighted mean; the alphas are not kept."""
-        previous = self.branches(server.global_params)
-        branched = self.layout.branched_names
-        out = {n: mean[n] for n in previous if n not in branched}
-        alpha = mean[ALPHA].double()
-        for layer in self.layout.layers:
-            row = self.layout.row_of(layer)
-            for n in self.layout.tensors[layer]:
-                branches = []
-                for b in range(self.layout.num_branches):
-                    if self.params.aggregation != "alpha_weighted":
-                        branches.append(mean[n][b])
-                    elif float(alpha[row, b]) > SECURE_MIN_ALPHA:
-                        branches.append((mean[n][b].double() / alpha[row, b]).to(previous[n].dtype))
-                    else:
-                        branches.append(previous[n][b])
-                out[n] = torch.stack(branches)
-        return ServerState(out, server.per_client)
+        new = from_secure_means(mean, self.layout, self.branches(server.global_params), self.params.aggregation == "alpha_weighted")
+        return ServerState(new, server.per_client)  # the alphas are not kept
 
     def round_details(self, server: ServerState, clients: dict[int, Params]) -> dict:
         """Each client's current alpha (rows: `alpha_rows`, columns: branches), for the heatmap."""
