@@ -35,7 +35,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
 
-from fedpipe.algorithms.base import ServerState
+from fedpipe.algorithms.base import Algorithm, ServerState
 from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
 from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
 from fedpipe.federation import audit
@@ -109,7 +109,7 @@ def identify(msg: Message, context: Context) -> Message:
 
 
 def _train_here(context: Context, spec: FederationSpec, phase_name: str, round_: int, lr: float,
-                download: dict[str, torch.Tensor], clip: float | None = None) -> tuple[Site, ClientOutcome, dict | None, str | None]:
+                download: dict[str, torch.Tensor], clip: float | None = None) -> tuple[Site, ClientOutcome, dict | None, str | None, Algorithm]:
     """This site's round with `ClientTrainer` (the simulation's client code): (site, outcome, state it started
     from, the test-only injected fault)."""
     use_threads(spec)
@@ -126,7 +126,7 @@ def _train_here(context: Context, spec: FederationSpec, phase_name: str, round_:
         print(f"fault injector: site {site.client_id} hangs in round {round_}", file=sys.stderr, flush=True)
         time.sleep(3600)
     (outcome,) = trainer.train([ClientWork(site.client_id, download, state)], round_, lr)
-    return site, outcome, state, fault
+    return site, outcome, state, fault, algorithm
 
 
 @app.train()
@@ -139,7 +139,7 @@ def train(msg: Message, context: Context) -> Message:
     round_, lr = int(cfg["round"]), float(cfg["lr"])
     download = from_record(msg.content["download"], DEVICE)
     clip = float(cfg["privacy-clip"]) if "privacy-clip" in cfg else None
-    site, outcome, state, fault = _train_here(context, spec, phase.name, round_, lr, download, clip)
+    site, outcome, state, fault, _ = _train_here(context, spec, phase.name, round_, lr, download, clip)
     reply: dict = {}
     # state-in: a digest of the personal state this round started from (0: none), so a test can tell a site
     # that rejoined with its state from one that started afresh; the state itself never leaves the site
@@ -200,17 +200,16 @@ def secure_train(msg: Message, context: Context) -> Message:
         raise UploadRejected(f"download of {len(arrays)} arrays for {len(names)} names")
     download = {n: torch.from_numpy(np.array(a, copy=True)).to(DEVICE) for n, a in zip(names, arrays)}
     round_ = int(cfg["round"])
-    site, outcome, state, fault = _train_here(context, spec, str(cfg["phase"]), round_, float(cfg["lr"]), download)
+    site, outcome, state, fault, algorithm = _train_here(context, spec, str(cfg["phase"]), round_, float(cfg["lr"]), download)
     who = f"site {site.client_id}"
     if outcome.error:
         raise RuntimeError(f"ClientFailed: {who}: {outcome.error}")
     if outcome.upload is None:
         raise UploadRejected(f"{who} uploads nothing in phase {cfg['phase']!r}: nothing to sum securely")
     secure = spec.federation_cfg.secure_aggregation
-    algorithm, _ = spec.build(DEVICE)
     phase = spec.phase(str(cfg["phase"]))
     layout = algorithm.upload_layout(phase, download)  # what the server sums, in the order it names
-    order = json.loads(str(cfg["upload-names"])) if "upload-names" in cfg else list(layout)
+    order = json.loads(str(cfg["upload-names"]))
     if order != list(layout):
         raise UploadRejected(f"{who}: the server names the upload's tensors {order[:3]}..., the method {list(layout)[:3]}...")
     if algorithm.secure_weighting(phase) == "uniform":
