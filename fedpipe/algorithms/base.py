@@ -17,7 +17,7 @@ Parameters travel as plain ``dict[str, Tensor]`` keyed by the module's parameter
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -145,6 +145,9 @@ class Algorithm(ABC):
     #: Why `privacy.enabled` cannot cover it (its server uses per-client statistics outside the clipped, noised
     #: sum), or None when the engine's differential privacy covers everything it uploads (`fedpipe.engine.privacy`)
     privacy_refusal: ClassVar[str | None] = None
+    #: What the server keeps per client between rounds by the method's definition (FedFomo's and FedAMP's models), or
+    #: None: a federation's server then holds nothing per site, and its checkpoint refuses to (`fedpipe.federation.resume`)
+    server_holds: ClassVar[str | None] = None
     #: What privacy leaves visible even when it covers the method (said by `fedpipe methods` and the run's log)
     privacy_caveat: ClassVar[str | None] = None
     #: Why bf16 autocast would change what the method computes beyond rounding noise, or None where it is safe:
@@ -195,13 +198,21 @@ class Algorithm(ABC):
         """What a client receives at the start of a round (by default the global model)."""
         return server.global_params
 
-    def upload_layout(self, phase: Phase, download: Params) -> Params:
+    def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
         """What a client's upload holds in `phase` after receiving `download`: tensors whose names, shapes and
         dtypes (not values) an upload must have. A federation's server checks every upload against it before
         aggregating (`fedpipe.federation.transport.check_upload`). By default the download's layout (the method
         uploads what it downloaded, trained); a method whose upload carries more or other tensors declares them here
-        (pFedMB: its branches and its alpha)."""
+        (pFedMB: its branches and its alpha). A method whose upload is one of several forms (IFCA: the cluster the
+        client picked; FedMN: the units it trained) picks the form from the names the upload holds (`sent`); the
+        check then refuses any upload that is not wholly that form."""
         return download
+
+    def upload_problem(self, phase: Phase, download: Params, upload: Params) -> str | None:
+        """What is wrong with an upload's values that its layout cannot show, in a few words (None: nothing). A
+        federation's server asks before it aggregates (a site may send anything); in a simulation every upload is
+        the method's own. FedFomo: ids of models the client was not sent."""
+        return None
 
     def aggregation(self, phase: Phase) -> Aggregation:
         """How `aggregate` combines this phase's uploads. By default the plain weighted mean

@@ -112,6 +112,7 @@ class FedAMP(Algorithm):
     Params = FedAMPParams
     paper = "Huang et al. 2021, Eq. 3-7"
     uploads = "its whole model w_i, which the server keeps per client"
+    server_holds = "each client's latest model w_i, from which it builds every client's cloud model u_i (Eq. 6-7)"
     privacy_refusal = ("its server keeps each client's model and weighs every pair of clients by their models' similarity "
                        "(Eq. 6-7): per-client statistics outside a clipped, noised sum")
     departures = (

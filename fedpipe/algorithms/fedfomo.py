@@ -33,6 +33,7 @@ Choices (the paper is silent or the official code differs):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import ClassVar, Literal
 
 import torch
@@ -92,6 +93,7 @@ class FedFomo(Algorithm):
     Params = FedFomoParams
     paper = "Zhang et al. 2021, Eq. 5-6 and Algorithm 1"
     uploads = "its whole model and its M weights w_n (validation-loss gains over other clients' models)"
+    server_holds = "each client's latest model, its weights w_n and its affinities to the other clients (Algorithm 1)"
     privacy_refusal = "its server keeps each client's model and affinities (Algorithm 1): per-client statistics outside the noised sum"
     departures = (
         "models_per_round=5 (M): PFLlib's default; the official code downloads 8",
@@ -133,6 +135,21 @@ class FedFomo(Algorithm):
             return server.global_params
         return {client_prefix(j) + n: t for j in self.choose(server, client_id)
                 for n, t in model_of(server.per_client[j]).items()}
+
+    def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
+        """Its own model (the network's layout) and one weight w_n and id per model it downloaded (Eq. 5)."""
+        like = next(iter(download.values()), None)
+        device = like.device if like is not None else torch.device("cpu")
+        m = len({n.split("/", 1)[0] for n in download})
+        return {**{n: t.to(device) for n, t in self.initial().items()}, WEIGHTS: torch.zeros(m, dtype=torch.float32, device=device),
+                IDS: torch.zeros(m, dtype=torch.int64, device=device)}
+
+    def upload_problem(self, phase: Phase, download: Params, upload: Params) -> str | None:
+        """The ids must be those of the models the client downloaded, in order (they index the server's affinities)."""
+        sent = sorted({int(n.split("/", 1)[0].removeprefix("client")) for n in download})
+        if upload[IDS].tolist() != sent:
+            return f"its weights name clients {upload[IDS].tolist()[:5]}, but it was sent the models of {sent[:5]}"
+        return None
 
     def aggregation(self, phase: Phase) -> Aggregation:
         return custom("each upload is stored as its client's model, its weights w_n added to the client's affinities (Algorithm 1)")

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -363,6 +363,13 @@ class FedMN(Algorithm):
     # --- server side ----------------------------------------------------------------------------
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.pool(server.global_params)
+
+    def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
+        """The router and each unit the upload names (the units the client trained: the selective upload), whole:
+        a unit with some of its tensors missing, or a router left out, fails the check."""
+        sent = set(sent)
+        units = [u for u, names in self.unit_tensors.items() if sent.intersection(names)]
+        return {n: download[n] for n in (*self.router_tensors, *(n for u in units for n in self.unit_tensors[u]))}
 
     def aggregation(self, phase: Phase) -> Aggregation:
         return custom("each unit averaged by samples over the clients that uploaded it (kept when none did), the router over all")

@@ -10,6 +10,7 @@ plain cross-entropy for E epochs, and keeps the result as its personalized model
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import ClassVar, Literal
 
 import torch
@@ -106,8 +107,8 @@ class FineTuned(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.inner.download(phase, server, client_id)
 
-    def upload_layout(self, phase: Phase, download: Params) -> Params:
-        return self.inner.upload_layout(phase, download)
+    def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
+        return self.inner.upload_layout(phase, download, sent)
 
     def aggregation(self, phase: Phase) -> Aggregation:
         """The wrapped method's rule in its phases (FedAvg-FT's federation: the weighted mean); the

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Collection
 from typing import ClassVar, Literal
 
 import torch
@@ -163,6 +164,13 @@ class IFCA(Algorithm):
     # --- server side ----------------------------------------------------------------------------
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.clusters(server)  # all k models (k x P)
+
+    def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
+        """The model of the one cluster the client picked (Algorithm 2: it uploads that cluster's model, its index
+        in the names' prefix): the cluster the upload's names start with (cluster 0 when none does, so the check
+        names what is missing); an upload that mixes clusters fails the check."""
+        picked = next((j for j in range(self.params.clusters) if any(n.startswith(cluster_prefix(j)) for n in sent)), 0)
+        return {n: t for n, t in download.items() if n.startswith(cluster_prefix(picked))}
 
     def aggregation(self, phase: Phase) -> Aggregation:
         """With one cluster weighted by samples, IFCA is FedAvg: the plain weighted mean."""

@@ -41,7 +41,7 @@ Where the paper is silent (each a named option or stated here):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -275,7 +275,7 @@ class PFedMB(Algorithm):
     def download(self, phase: Phase, server: ServerState, client_id: int) -> Params:
         return self.branches(server.global_params)
 
-    def upload_layout(self, phase: Phase, download: Params) -> Params:
+    def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
         """Its branches (the download's layout) and its alpha, one row per alpha row, one column per branch."""
         return {**download, ALPHA: self.layout.uniform_alpha(next(iter(download.values())).device)}
 

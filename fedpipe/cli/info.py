@@ -16,7 +16,7 @@ def methods():
     whether differential privacy (privacy.enabled) covers it or refuses the method, and why; and whether
     engine.amp=auto trains it in bf16 on a GPU (a method whose results bf16 would change opts out)."""
     from fedpipe.algorithms import ALGORITHMS, phases_of
-    from fedpipe.federation.support import federated_status
+    from fedpipe.federation.support import federated_status, secure_status
 
     for name, cls in ALGORITHMS.items():
         phases = ", ".join(p.name for p in phases_of(cls.Params(), 10))
@@ -29,6 +29,8 @@ def methods():
         for line in departures or ():
             typer.echo(f"    default departs from the paper: {line}")
         typer.echo(f"    uploads: {cls.uploads}")
+        if cls.server_holds:
+            typer.echo(f"    the server holds, per client: {cls.server_holds}")
         if cls.uploads.startswith("nothing"):
             typer.echo("    privacy: nothing to cover (it never uploads: epsilon 0)")
         elif cls.privacy_refusal:
@@ -38,6 +40,7 @@ def methods():
                        + (f"; {cls.privacy_caveat}" if cls.privacy_caveat else ""))
         typer.echo(f"    bf16 (engine.amp=auto on a GPU): {f'off, {cls.bf16_refusal}' if cls.bf16_refusal else 'on'}")
         typer.echo(f"    federated (Flower deployment engine, docs/federation.md): {federated_status(name)}")
+        typer.echo(f"    under SecAgg+ (federation.secure_aggregation): {secure_status(name)}")
 
 
 @app.command()

@@ -51,6 +51,14 @@ from fedpipe.seeding import torch_generator
 
 #: Bytes of a run's noise secret (256 bits, from the operating system's entropy)
 SECRET_BYTES = 32
+#: Under secure aggregation, each client's centred clip bit travels inside the masked sum under this name (a (1,) float64
+#: tensor, 1[||Delta_k|| <= C] - 1/2), so the server learns only the count adaptive clipping releases, never one bit
+CLIP_BIT = "privacy/clip-bit"
+
+
+def centred_bit(norm: float, clip: float) -> float:
+    """A client's contribution to adaptive clipping's count: 1[||Delta_k|| <= C] - 1/2 (Andrew et al. 2021, centred)."""
+    return (1.0 if norm <= clip else 0.0) - 0.5
 
 
 def new_secret() -> bytes:
@@ -140,22 +148,24 @@ class Privacy:
         """The generator of the draw named by `key` (see `_generator`)."""
         return _generator(self.cfg, self.seed, self.secret, *key)
 
-    def noised_count(self, norms: list[float], round_: int) -> float:
+    def noised_count(self, norms: list[float], round_: int, centred: float | None = None) -> float:
         """What adaptive clipping releases of a round: sum_k (1[||Delta_k|| <= C] - 1/2) + N(0, sigma_b^2). The bits
         are centred (TF Privacy's QuantileEstimatorQuery: "a single value in {-0.5, 0.5}"), so adding or removing
-        one client moves the sum by 1/2: the sensitivity Andrew et al. 2021's Theorem 1 (and `update_sigma`) assume."""
-        within = sum((1.0 if n <= self.clip else 0.0) - 0.5 for n in norms)
+        one client moves the sum by 1/2: the sensitivity Andrew et al. 2021's Theorem 1 (and `update_sigma`) assume.
+        `centred`: that sum already made (secure aggregation sums the bits under its masks); else from `norms`."""
+        within = sum(centred_bit(n, self.clip) for n in norms) if centred is None else float(centred)
         if self.sigma > 0:  # no noise on the count either when the updates carry none (no guarantee to keep)
             within += float(torch.normal(0.0, self.count_std, size=(1,), generator=self.generator("dp-count", round_), dtype=torch.float64))
         return within
 
-    def adapt(self, norms: list[float], round_: int) -> float:
-        """The clip after a round whose clients' update norms (before clipping) were `norms`: the geometric update
-        of Andrew et al. 2021, Algorithm 1, on the noised fraction of clients within the clip,
-        b~ = noised_count / (q W) + 1/2 (the centring undone after the fixed denominator). Returns the new C."""
+    def adapt(self, norms: list[float], round_: int, centred: float | None = None) -> float:
+        """The clip after a round whose clients' update norms (before clipping) were `norms` (or whose centred bits
+        summed to `centred`): the geometric update of Andrew et al. 2021, Algorithm 1, on the noised fraction of
+        clients within the clip, b~ = noised_count / (q W) + 1/2 (the centring undone after the fixed denominator).
+        Returns the new C."""
         if not self.cfg.adaptive_clip:
             return self.clip
-        fraction = self.noised_count(norms, round_) / max(self.q * self.eligible, 1e-12) + 0.5
+        fraction = self.noised_count(norms, round_, centred) / max(self.q * self.eligible, 1e-12) + 0.5
         self.clip = self.clip * math.exp(-self.cfg.clip_lr * (fraction - self.cfg.target_quantile))
         return self.clip
 

@@ -18,7 +18,7 @@ from fedpipe.config import TrainConfig
 from fedpipe.data.federated import FederatedData
 from fedpipe.engine.accounting import Ledger, default_delta, epsilon_against_server
 from fedpipe.engine.clients import ClientOutcome, ClientWork, payload_bytes
-from fedpipe.engine.privacy import Privacy, poisson_sample, sum_updates
+from fedpipe.engine.privacy import CLIP_BIT, Privacy, poisson_sample, sum_updates
 from fedpipe.engine.state import PhaseState
 from fedpipe.errors import ConfigError, TrainingError
 from fedpipe.seeding import torch_generator
@@ -235,14 +235,16 @@ def _aggregate_private(algorithm: Algorithm, privacy: Privacy, data: FederatedDa
     """The private aggregate (`Privacy.aggregate`) of the round's clipped updates (`uploads`, or `summed`: the
     sum the ranks of a distributed phase all-reduced), the round spent in the accountant, and with adaptive
     clipping the next round's clip from the round's update norms (kept in the ledger)."""
-    total = summed if summed is not None else sum_updates([u.tensors for u in uploads])
+    total = dict(summed) if summed is not None else sum_updates([u.tensors for u in uploads])
+    # under secure aggregation the clients' centred clip bits come summed with their updates (`CLIP_BIT`), never one by one
+    centred = float(total.pop(CLIP_BIT).sum()) if total is not None and CLIP_BIT in total else None
     new = privacy.aggregate(state.server.global_params, total, round_)
     if new:
         state.server = algorithm.apply_private(state.server, new)
     ledger = ledger_of(privacy, state, data)
     ledger.spend(privacy.sigma, privacy.q)
     if privacy.cfg.adaptive_clip:
-        ledger.clip = privacy.adapt(norms, round_)
+        ledger.clip = privacy.adapt(norms, round_, centred)
     result.extra["epsilon"] = ledger.epsilon()
     if privacy.cfg.mode == "local":  # against the server, which sees each noised update and who sent it
         result.extra["epsilon_against_server"] = epsilon_against_server(ledger.kind, ledger.history, ledger.delta)

@@ -38,6 +38,7 @@ from flwr.compat.common import recorddict_compat as compat
 from fedpipe.algorithms.base import Algorithm, ServerState
 from fedpipe.engine.clients import ClientOutcome, ClientTrainer, ClientWork
 from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
+from fedpipe.engine.privacy import CLIP_BIT, centred_bit
 from fedpipe.federation import audit
 from fedpipe.federation.faults import claimed_samples, corrupt, inflated_evaluation, injected_fault
 from fedpipe.federation.private import site_privacy
@@ -51,20 +52,31 @@ DEVICE = torch.device("cpu")
 
 
 
+class OptedOut(RuntimeError):
+    """A communicating phase's round asked of a site that opts out."""
+
+
 @dataclass
 class SiteSettings:
     """What the site's own policy sets here (`fedpipe.federation.worker` sets it from the policy before each message;
     a ClientApp run by Flower's own `flwr-clientapp` keeps these defaults): torch threads at most, whether the census
-    may release the label counts, and the most megabytes of prepared splits kept."""
+    may release the label counts, the most megabytes of prepared splits kept, and whether the site opts out (as the
+    node config's `opt-out` can also say)."""
 
     max_threads: int = os.cpu_count() or 1
     label_counts: bool = True
     max_cache_mb: int = 4096
+    opt_out: bool = False
 
 
 SETTINGS = SiteSettings()
 #: the warm worker's site of the run it is serving: its prepared splits stay loaded between the run's messages
 _WARM: dict[tuple, Site] = {}
+
+
+def opts_out(site: Site) -> bool:
+    """Whether this site takes part in no communicating phase (uploads nothing): its node config or its policy says so."""
+    return site.opt_out or SETTINGS.opt_out
 
 
 def use_threads(spec: FederationSpec) -> None:
@@ -98,7 +110,7 @@ def identify(msg: Message, context: Context) -> Message:
     (client,) = site.data.clients
     # the counts the server weighs this site's uploads and scores by for the whole run (`census.Samples`)
     samples = {"train": len(client.train), "test": len(client.test), "holdout": len(site.data.global_test) if site.census is not None else 0}
-    answer = {"client-id": site.client_id, "opt-out": site.opt_out, "samples": json.dumps(samples)}
+    answer = {"client-id": site.client_id, "opt-out": opts_out(site), "samples": json.dumps(samples)}
     if site.census is not None:
         # what the server needs and nothing more: the snapshot's digest, not the site's local path or file counts
         census = {**site.census, "snapshot": {"digest": site.census["snapshot"]["digest"]}}
@@ -115,7 +127,11 @@ def _train_here(context: Context, spec: FederationSpec, phase_name: str, round_:
     use_threads(spec)
     phase = spec.phase(phase_name)
     site = _site(context, spec)
-    algorithm, _ = spec.build(DEVICE)
+    if phase.communicates and opts_out(site):  # the site's own rule, whatever the server asks
+        raise OptedOut(f"site {site.client_id} opts out: it takes part in no communicating phase ({phase.name!r}) and uploads nothing")
+    algorithm, initial = spec.build(DEVICE)
+    if not phase.downloads:  # nothing was sent (Local): a client without a state starts from the run's seeded model
+        download = initial
     # with privacy: clipped with the server's clip (and in local mode noised with this site's own secret) here
     privacy = site_privacy(spec, phase, clip, site.folder)
     trainer = ClientTrainer(algorithm, phase, site.data, spec.train_cfg, spec.engine_cfg, spec.seed, privacy=privacy)
@@ -180,6 +196,22 @@ def check_own_upload(site: str, download: dict[str, torch.Tensor], upload: dict[
                              f"secure_aggregation.clipping_range={cfg.clipping_range:g}: SecAgg+ would clip it")
 
 
+def private_upload(spec: FederationSpec, layout: dict[str, torch.Tensor], outcome: ClientOutcome,
+                   clip: float | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(layout, upload) a site puts under SecAgg+'s masks: without privacy the method's upload; with privacy the clipped
+    (in local mode noised) update, float64, as the plain path uploads it, and with adaptive clipping the site's centred
+    clip bit beside it (`CLIP_BIT`: summed with the others' under the masks, the server sees only the count)."""
+    cfg = spec.privacy_cfg
+    if cfg is None:
+        return layout, outcome.upload
+    layout = {k: t.to(torch.float64) for k, t in layout.items()}
+    upload = dict(outcome.upload)
+    if cfg.adaptive_clip:
+        layout[CLIP_BIT] = torch.zeros(1, dtype=torch.float64)
+        upload[CLIP_BIT] = torch.tensor([centred_bit(float(outcome.update_norm), float(clip))], dtype=torch.float64)
+    return layout, upload
+
+
 def secure_train(msg: Message, context: Context) -> Message:
     """The collect-masked-vectors stage's training, called by `secaggplus_mod`: the download comes as the legacy
     FitIns (flwr/compat/common/recorddict_compat.py, parameters in the order of `config["names"]`) and the reply
@@ -200,7 +232,8 @@ def secure_train(msg: Message, context: Context) -> Message:
         raise UploadRejected(f"download of {len(arrays)} arrays for {len(names)} names")
     download = {n: torch.from_numpy(np.array(a, copy=True)).to(DEVICE) for n, a in zip(names, arrays)}
     round_ = int(cfg["round"])
-    site, outcome, state, fault, algorithm = _train_here(context, spec, str(cfg["phase"]), round_, float(cfg["lr"]), download)
+    clip = float(cfg["privacy-clip"]) if "privacy-clip" in cfg else None  # privacy: the site clips with the server's clip
+    site, outcome, state, fault, algorithm = _train_here(context, spec, str(cfg["phase"]), round_, float(cfg["lr"]), download, clip)
     who = f"site {site.client_id}"
     if outcome.error:
         raise RuntimeError(f"ClientFailed: {who}: {outcome.error}")
@@ -208,15 +241,17 @@ def secure_train(msg: Message, context: Context) -> Message:
         raise UploadRejected(f"{who} uploads nothing in phase {cfg['phase']!r}: nothing to sum securely")
     secure = spec.federation_cfg.secure_aggregation
     phase = spec.phase(str(cfg["phase"]))
-    layout = algorithm.upload_layout(phase, download)  # what the server sums, in the order it names
+    layout, upload = private_upload(spec, algorithm.upload_layout(phase, download), outcome, clip)  # what the server sums
     order = json.loads(str(cfg["upload-names"]))
     if order != list(layout):
         raise UploadRejected(f"{who}: the server names the upload's tensors {order[:3]}..., the method {list(layout)[:3]}...")
-    if algorithm.secure_weighting(phase) == "uniform":
-        weight = int(secure.max_weight)  # every site the same weight (pFedMe's uniform mean): the largest, the finest quantisation
+    if algorithm.secure_weighting(phase) == "uniform" or spec.privacy_cfg is not None:
+        # every site the same weight (pFedMe's uniform mean; with privacy every client counts once): the largest, the
+        # finest quantisation
+        weight = int(secure.max_weight)
     else:
         weight = min(outcome.num_samples, int(secure.max_weight))  # a site with more samples counts as max_weight
-    upload = corrupt(outcome.upload, fault) if fault else outcome.upload
+    upload = corrupt(upload, fault) if fault else upload
     upload = {n: upload[n] for n in order if n in upload} | {n: t for n, t in upload.items() if n not in order}
     check_own_upload(who, layout, upload, weight, secure)
     upload = algorithm.secure_upload(phase, upload)  # pFedMB: alpha * branch, so that the masked mean gives Eq. 5
@@ -225,6 +260,8 @@ def secure_train(msg: Message, context: Context) -> Message:
     audit.keep(site.folder, f"upload-{round_}", upload)
     metrics = {"num-samples": outcome.num_samples, "state-in": state_digest(state), "loss": float(outcome.stats.loss),
                "samples": int(outcome.stats.samples), "state-out": state_digest(outcome.new_state)}
+    if spec.privacy_cfg is not None and spec.privacy_cfg.mode == "local":  # as the plain path: nothing but the noised update
+        metrics = {"num-samples": 0, "loss": 0.0, "samples": 0}
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([t.detach().cpu().numpy() for t in upload.values()]), weight, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 

@@ -96,6 +96,9 @@ class SitePolicy(_Section):
     """The methods this site takes (None: every method fedpipe federates)."""
     secure_aggregation_required: bool = False
     """Refuse every run without SecAgg+ (federation.secure_aggregation.enabled)."""
+    opt_out: bool = False
+    """Take part in no communicating phase: train only this site's own models (the mixture of experts' specialist and
+    gate) and upload nothing; the census tells the server, and a round that asks anyway is refused here."""
     privacy: PrivacyPolicy = PrivacyPolicy()
     limits: Limits = Limits()
     release: Release = Release()
@@ -189,6 +192,7 @@ class SitePolicy(_Section):
         return [f"methods    {', '.join(self.methods) if self.methods is not None else 'every federated method'}",
                 f"privacy    {privacy}",
                 f"secagg     {'required' if self.secure_aggregation_required else 'not required'}",
+                f"opt-out    {'yes: it uploads nothing' if self.opt_out else 'no'}",
                 f"limits     {lim.max_rounds} rounds, {lim.max_local_epochs} local epochs, {lim.max_train_seconds:g} s a round, "
                 f"images {lim.max_image_size} px, decode {lim.max_decoded_mb} MB, {lim.max_threads} threads, cache {lim.max_cache_mb} MB",
                 f"releases   scores {'yes' if rel.scores else 'no'}, label counts {'yes' if rel.label_counts else 'no'}",

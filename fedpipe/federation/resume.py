@@ -38,9 +38,16 @@ def fingerprint(spec_json: str) -> str:
     return hashlib.sha256(spec_json.encode()).hexdigest()[:16]
 
 
+def server_holds(method: str) -> str | None:
+    """What `method`'s server keeps per site by its definition (`Algorithm.server_holds`; None: nothing)."""
+    from fedpipe.algorithms import ALGORITHMS
+
+    return getattr(ALGORITHMS.get(method), "server_holds", None)
+
+
 def save(out: Path, state: PhaseState, spec_json: str) -> None:
     """The server's phase state after a round, into `out/server-state.pt` (atomically)."""
-    if len(state.clients) or state.server.per_client:
+    if len(state.clients) or (state.server.per_client and not server_holds(state.method)):
         raise ValueError(f"the server's state holds client states ({len(state.clients)} clients, "
                          f"{len(state.server.per_client)} server-side per-client): a federation keeps them at the sites")
     state.config_fingerprint = fingerprint(spec_json)

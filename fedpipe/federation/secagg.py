@@ -51,6 +51,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 from fedpipe.algorithms.base import Algorithm, Phase
 from fedpipe.config import SecureAggregationConfig
 from fedpipe.engine.clients import ClientOutcome, ClientWork
+from fedpipe.engine.privacy import CLIP_BIT
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.errors import ConfigError
 from fedpipe.federation import audit
@@ -224,6 +225,15 @@ class SecureSiteRound:
     def __getattr__(self, name):  # roster, phase, spec_json, log_path, rejoin_wait, online, _reject, rejected, reports
         return getattr(self.plain, name)
 
+    @property
+    def privacy(self):
+        """The phase's Privacy at the server (set by serve), shared with the plain round, whose upload layout it changes."""
+        return self.plain.privacy
+
+    @privacy.setter
+    def privacy(self, value) -> None:
+        self.plain.privacy = value
+
     def __call__(self, round_: int, lr: float, works: list[ClientWork]) -> tuple[list[ClientOutcome], dict | None]:
         grid = self.metered
         grid.start_round(round_)
@@ -231,10 +241,12 @@ class SecureSiteRound:
         up = self.online(set(by_node))
         layout = works[0].download if works else {}
         names = list(layout)
-        # what the sites sum: the method's upload layout (pFedMB: its branches and alpha), in this order
-        uploaded = self.plain.expected_upload(works[0]) if works else {}
+        # what the sites sum: the method's upload layout (pFedMB: its branches and alpha; with privacy the clipped update,
+        # float64, and with adaptive clipping each site's centred clip bit), in this order
+        uploaded = self.uploaded(works[0]) if works else {}
         config = {"spec": self.spec_json, "phase": self.phase.name, "round": round_, "lr": float(lr), "names": json.dumps(names),
-                  "upload-names": json.dumps(list(uploaded))}
+                  "upload-names": json.dumps(list(uploaded)),
+                  **({"privacy-clip": float(self.privacy.clip)} if self.privacy is not None else {})}
         strategy = RoundStrategy(self.log_path)
         # the legacy wire layout (FitIns: parameters as NumPy arrays in `names` order, config scalars) is what the
         # workflow forwards in its collect stage (compat.fitins_to_recorddict) and the site's handler reads back
@@ -249,12 +261,22 @@ class SecureSiteRound:
             self.workflow(grid, context)  # four exchanges; returns early (logged "halted") when too few sites remain
         halted = strategy.mean is None
         averaged = None if halted else self._averaged(strategy.mean, uploaded)
+        if averaged is not None and self.privacy is not None:  # every site weighed max_weight: the mean times their number is the sum
+            averaged = {k: v * len(strategy.reports) for k, v in averaged.items()}
         outcomes = [self._secure_outcome(w, node, round_, up, strategy, halted) for node, w in by_node.items()]
         self.secure[round_] = self._protocol_line(strategy, halted, len(strategy.fitins), time.perf_counter() - t0)
         if averaged is not None:
             audit.record(self.log_path, round_, "secure-aggregate", averaged.values())
             audit.keep(self.log_path, f"aggregate-{round_}", averaged)
         return outcomes, averaged
+
+    def uploaded(self, work: ClientWork) -> dict[str, torch.Tensor]:
+        """The layout the sites put under the masks: the method's upload (`SiteRound.expected_upload`), and with privacy's
+        adaptive clipping the centred clip bit (`CLIP_BIT`), summed with the updates so that no bit is seen alone."""
+        layout = self.plain.expected_upload(work)
+        if self.privacy is not None and self.privacy.cfg.adaptive_clip:
+            layout = {**layout, CLIP_BIT: torch.zeros(1, dtype=torch.float64)}
+        return layout
 
     @staticmethod
     def _averaged(mean: list[np.ndarray], layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

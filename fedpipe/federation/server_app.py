@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -201,8 +202,9 @@ class SiteRound:
             by_node[self.roster.by_id[w.client_id].node_id] = w
         up = self.online(set(by_node))
         for node, w in by_node.items():
-            if node in up:
-                messages.append(Message(RecordDict({"download": to_record(w.download), "config": config}), dst_node_id=node,
+            if node in up:  # a phase whose clients download nothing (Local) sends none: the site starts from the run's model
+                download = to_record(w.download if self.phase.downloads else {})
+                messages.append(Message(RecordDict({"download": download, "config": config}), dst_node_id=node,
                                         message_type=MessageType.TRAIN, group_id=f"{self.phase.name}-{round_}"))
         replies = exchange(self.grid, messages, self.timeout)
         outcomes = []
@@ -232,7 +234,10 @@ class SiteRound:
         upload, sent = None, 0
         if "upload" in content:
             try:  # the method's declared upload (`Algorithm.upload_layout`; by default the download's layout)
-                upload = check_upload(site, self.expected_upload(work), content["upload"])
+                upload = check_upload(site, self.expected_upload(work, content["upload"].keys()), content["upload"])
+                problem = self.algorithm.upload_problem(self.phase, work.download, upload) if self.algorithm else None
+                if problem:
+                    raise UploadRejected(f"upload from {site}: {problem}")
             except UploadRejected as e:
                 return self._reject(cid, round_, samples, f"UploadRejected: {e}")
             audit.record(self.log_path, round_, "check_upload", upload.values(), client=cid)  # test-only, off unless set
@@ -241,9 +246,10 @@ class SiteRound:
         norm = float(metrics["update-norm"]) if "update-norm" in metrics else None  # privacy: the norm before clipping
         return ClientOutcome(cid, samples, upload, None, stats, sent, update_norm=norm)
 
-    def expected_upload(self, work: ClientWork) -> dict[str, torch.Tensor]:
-        """The layout `work`'s upload must have: the method's own declaration (`Algorithm.upload_layout`)."""
-        layout = work.download if self.algorithm is None else self.algorithm.upload_layout(self.phase, work.download)
+    def expected_upload(self, work: ClientWork, sent: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """The layout `work`'s upload must have: the method's own declaration (`Algorithm.upload_layout`), in the form
+        the names `sent` pick where the method uploads one of several (IFCA's cluster, FedMN's units)."""
+        layout = work.download if self.algorithm is None else self.algorithm.upload_layout(self.phase, work.download, sent)
         if self.privacy is not None:  # a private upload is the clipped update, float64 (`Privacy.privatize`)
             layout = {k: t.to(torch.float64) for k, t in layout.items()}
         return layout

@@ -36,9 +36,6 @@ def refusal(method: str, privacy: bool = False, finetune_epochs: int = 0, secure
     `robust`: train.robust is active (a robust rule needs each update, which SecAgg+ never shows the server)."""
     if robust and secure_aggregation:
         return SECURE_AGGREGATION_REFUSAL
-    if privacy and secure_aggregation:
-        return ("privacy.enabled with federation.secure_aggregation is not federated yet: the server would need the sum of the "
-                "clipped updates, and SecAgg+ hands it the weighted mean; use one of them")
     if method not in SUPPORTED:
         return (f"method {method!r} is not federated yet: {NOT_YET.get(method, 'not wired to the SuperLink')} "
                 f"(federated today: {', '.join(SUPPORTED)})")

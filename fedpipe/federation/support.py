@@ -1,4 +1,4 @@
-"""Which methods run federated (over Flower's deployment engine) today, and why the others do not yet.
+"""How each method runs federated (over Flower's deployment engine), and which run under SecAgg+ (and why not).
 
 One line per method. Plain data: no torch, no Flower, so `fedpipe methods` (in .venv, where flwr must not be
 installed) can print it. `fedpipe.federation.spec.refusal` refuses a method from this table.
@@ -6,8 +6,9 @@ installed) can print it. `fedpipe.federation.spec.refusal` refuses a method from
 
 from __future__ import annotations
 
-#: The methods wired to the SuperLink: one download and one upload per round (the upload in the method's declared
-#: layout, `Algorithm.upload_layout`, which the server checks), personal state (if any) kept in the site's own store.
+#: How each method travels over the SuperLink: each site gets its own download (`Algorithm.download`) and the server
+#: checks each site's upload against the method's declared layout for that site (`Algorithm.upload_layout`), before it
+#: aggregates; personal state (if any) is kept in the site's own store. Every method fedpipe implements is here.
 FEDERATED: dict[str, str] = {
     "fedavg": "every phase; the global model equals the simulation's (tests/federation/test_loopback.py)",
     "fedprox": "as FedAvg: the global model down and up; the proximal term is the site's (tests/federation/test_methods.py)",
@@ -23,18 +24,25 @@ FEDERATED: dict[str, str] = {
               "aggregation only); each site keeps its alpha, then fine-tunes at the site (tests/federation/test_methods.py)",
     "fedavg_ft": "FedAvg, then each site fine-tunes the global model and keeps and evaluates it in its own folder",
     "fedprox_ft": "FedProx, then each site fine-tunes the global model and keeps and evaluates it in its own folder",
+    "fedmn": "the module pool down (a site's route is sampled at the site each epoch, so any unit may be used); the router "
+             "and only the units the site trained up, each unit whole (checked per site); each site keeps its "
+             "architecture (tests/federation/test_methods.py)",
+    "fedmoe": "the global model down and up (FedAvg on the opt-in sites); then each site trains its specialist and gate "
+              "and keeps them; an opt-out site (`fedpipe site join --opt-out`, or `opt_out: true` in its policy) takes "
+              "part in no communicating round and uploads nothing (tests/federation/test_methods.py)",
+    "ifca": "all k cluster models down; the picked cluster's model up, its index in the tensor names (the server checks "
+            "the upload is wholly one cluster's); each site keeps its pick (tests/federation/test_methods.py)",
+    "fedfomo": "the M models the server picks for that site down; its model and its M weights up. The server holds "
+               "each site's latest model and its affinities to the others (the method's definition, Algorithm 1), and "
+               "sends a site's model to the sites that pick it (tests/federation/test_methods.py)",
+    "fedamp": "that site's own attentive cloud model u_i down, its model up. The server holds each site's latest model "
+              "(the method's definition: u_i is built from them, Eq. 6-7) (tests/federation/test_methods.py)",
+    "local": "nothing is sent either way: each site trains alone in the rounds it is picked; the federation still runs "
+             "its rounds and its evaluation, so Local sits in the same report as the methods it is compared with",
 }
 
-#: Why a method is refused federated today, in one line.
-NOT_YET: dict[str, str] = {
-    "local": "nothing crosses the network: each site trains alone, so a SuperLink adds only round trips "
-             "(run `local` on each site's data instead)",
-    "fedmn": "its selective upload (the modules its route used) varies per site: the check needs a per-site upload layout",
-    "ifca": "each site downloads all k cluster models and uploads one: more than one download per round",
-    "fedfomo": "each site downloads other clients' models: client-to-client traffic through the server is not wired",
-    "fedamp": "the server keeps a model per client (server-side personal state), which a federation must not hold unasked",
-    "fedmoe": "opt-out sites train local specialists and a gate and upload nothing: the opt-out path is not wired and tested yet",
-}
+#: Why a method would be refused federated (none is today; a method added later without its federation says so).
+NOT_YET: dict[str, str] = {}
 
 
 #: The methods that may run with `federation.secure_aggregation.enabled` (SecAgg+, Bell et al. 2020): their round's
@@ -57,9 +65,18 @@ SECURE_AGGREGATION: dict[str, str] = {
               "means branch by branch; its finetune phase sends nothing (tests/federation/test_secagg.py)",
     "fedavg_ft": "FedAvg's weighted mean under the masks; the finetune phase sends nothing, so its rounds are plain ones",
     "fedprox_ft": "as FedAvg-FT",
+    "fedmoe": "FedAvg's weighted mean of the opt-in sites' global models under the masks; the specialist and gate "
+              "phases send nothing, so their rounds are plain ones",
+    "local": "nothing is ever sent, so nothing is masked: every round is a plain one",
 }
 
-#: Why a method outside SECURE_AGGREGATION is refused with it (every federated method is in it today).
+#: Why a method is refused with SecAgg+: its aggregate needs something of each upload that a masked sum hides.
+SECURE_REFUSED: dict[str, str] = {
+    "fedmn": "each unit is averaged over the sites that trained it, so the server must see which units each upload holds",
+    "ifca": "each cluster model is averaged over the sites that picked it, so the server must see each upload's cluster",
+    "fedfomo": "the server keeps each site's model and sends it to the sites that pick it: it needs each upload in the clear",
+    "fedamp": "the server keeps each site's model to build every site's attentive cloud model: it needs each upload in the clear",
+}
 SECURE_DEFAULT = "its aggregation is not a mean of the uploads: the server needs each site's upload"
 
 
@@ -67,8 +84,15 @@ def secure_refusal(method: str) -> str | None:
     """Why `method` cannot run with secure aggregation, in one line; None when it can."""
     if method in SECURE_AGGREGATION:
         return None
-    return (f"federation.secure_aggregation is not available for method {method!r}: {SECURE_DEFAULT} "
+    return (f"federation.secure_aggregation is not available for method {method!r}: {SECURE_REFUSED.get(method, SECURE_DEFAULT)} "
             f"(secure aggregation today: {', '.join(SECURE_AGGREGATION)})")
+
+
+def secure_status(method: str) -> str:
+    """`fedpipe methods`' SecAgg+ line: 'yes: how' or 'refused: why (the method's math)'."""
+    if method in SECURE_AGGREGATION:
+        return f"yes: {SECURE_AGGREGATION[method]}"
+    return f"refused: {SECURE_REFUSED.get(method, SECURE_DEFAULT)}"
 
 
 def federated_status(method: str) -> str:

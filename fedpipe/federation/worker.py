@@ -208,7 +208,8 @@ class SiteWorker:
         if why:
             raise Refused(why)
         limits = self.policy.limits
-        client_app.SETTINGS = client_app.SiteSettings(limits.max_threads, self.policy.release.label_counts, limits.max_cache_mb)
+        client_app.SETTINGS = client_app.SiteSettings(limits.max_threads, self.policy.release.label_counts, limits.max_cache_mb,
+                                                        self.policy.opt_out)
         # the policy's seconds a round bound training and evaluation; the census (the site's first reading of its files) is not a round
         limit = limits.max_train_seconds if entry["kind"] != "census" else 0
         previous = signal.signal(signal.SIGALRM, _too_long)

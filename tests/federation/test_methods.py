@@ -20,8 +20,11 @@ client state (`server_client_states: 0`, its checkpoint holds none) and its out-
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import time
+from unittest import mock
 
 import pytest
 import safetensors
@@ -51,7 +54,18 @@ METHODS = {
     "pfedmb": ["method.name=pfedmb", "method.num_branches=3", "method.finetune_epochs=0"],  # its finetune phase: as fedavg_ft's
     # a robust rule (fedpipe/algorithms/robust.py) runs in the federation's round as in the simulation's: one implementation
     "ditto_median": ["method.name=ditto", "train.robust.rule=median", "train.robust.norm_bound=0.5"],
+    # per-site traffic: each site its own download, each upload checked against that site's own layout
+    "fedmn": ["method.name=fedmn"],  # the router and only the units the site trained go up
+    "ifca": ["method.name=ifca", "method.clusters=2"],  # k models down, the picked one up
+    "fedfomo": ["method.name=fedfomo", "method.models_per_round=2"],  # the server's picks down; the server holds models
+    "fedamp": ["method.name=fedamp"],  # each site's own cloud model down; the server holds models
+    "fedmoe": ["method.name=fedmoe", "method.max_epochs=2"],  # site OPT_OUT opts out: it trains its experts, sends nothing
+    "local": ["method.name=local"],  # nothing travels; rounds and evaluation as the others'
 }
+#: the site that opts out of FedMoE's run (its site.json says so; the simulation flags the same client)
+OPT_OUT = 3
+#: the methods whose server keeps per-site models by definition (`fedpipe methods` says so)
+SERVER_HOLDS = ("fedfomo", "fedamp")
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -73,13 +87,14 @@ def methods(tmp_path_factory, flower_env):
         for name, overrides in METHODS.items():
             cfg = config(work, name, overrides)
             t0 = time.perf_counter()
-            sim = train_all(Run(cfg))
-            t1 = time.perf_counter()
-            spec = FederationSpec.from_run_config(cfg, tuple(shape.input_shape), shape.num_classes, len(folders))
-            spec_file = work / f"spec-{name}.json"
-            spec_file.write_text(spec.to_json())
-            out = work / f"out-{name}"
-            result = fed.run(spec_file, out, timeout=400)
+            with opting_out(folders, OPT_OUT if name == "fedmoe" else None):
+                sim = train_all(Run(cfg))
+                t1 = time.perf_counter()
+                spec = FederationSpec.from_run_config(cfg, tuple(shape.input_shape), shape.num_classes, len(folders))
+                spec_file = work / f"spec-{name}.json"
+                spec_file.write_text(spec.to_json())
+                out = work / f"out-{name}"
+                result = fed.run(spec_file, out, timeout=400)
             timings[name] = (round(t1 - t0, 1), round(time.perf_counter() - t1, 1))
             sites = {}
             for folder in folders:
@@ -96,6 +111,34 @@ def methods(tmp_path_factory, flower_env):
     return results
 
 
+@contextlib.contextmanager
+def opting_out(folders, client):
+    """Client `client` opts out (None: nobody): its site's own site.json says so, and the simulation's data flags the
+    same client, on the same data (a site that opts out itself changes nothing of the partition)."""
+    if client is None:
+        yield
+        return
+    meta = next(f / "site.json" for f in folders if json.loads((f / "site.json").read_text())["client_id"] == client)
+    before = meta.read_text()
+    meta.write_text(json.dumps({**json.loads(before), "opt_out": True}))
+
+    def flagged(*args, **kwargs):
+        data = federated_data(*args, **kwargs)
+        return dataclasses.replace(data, clients=tuple(dataclasses.replace(c, opt_out=c.client_id == client) for c in data.clients))
+
+    try:
+        with mock.patch("fedpipe.run.run.federated_data", flagged):
+            yield
+    finally:
+        meta.write_text(before)
+
+
+def server_models(m) -> dict:
+    """What the server ends with: its global tensors, and per site what it holds (FedFomo's and FedAMP's models)."""
+    checkpoint = PhaseState.from_bytes((m["out"] / "server-state.pt").read_bytes(), "cpu", where="server-state.pt")
+    return checkpoint.server
+
+
 @pytest.mark.parametrize("name", list(METHODS))
 def test_global_model_equals_simulation(methods, name):
     m = methods[name]
@@ -104,12 +147,26 @@ def test_global_model_equals_simulation(methods, name):
     assert sim.keys() == fed.keys()
     for k in sim:
         torch.testing.assert_close(fed[k], sim[k], rtol=RTOL, atol=ATOL, msg=lambda msg, k=k: f"{name} {k}: {msg}")
+    held = m["sim"].server.per_client
+    assert sorted(server_models(m).per_client) == sorted(held)  # FedFomo's and FedAMP's server holds a model per site
+    for cid, tensors in held.items():
+        for k, t in tensors.items():
+            torch.testing.assert_close(server_models(m).per_client[cid][k], t.detach().cpu(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda msg, k=k, cid=cid: f"{name} server's model of site {cid}, {k}: {msg}")
     phases = m["spec"].phases()
     assert m["result"] == {"stage": "evaluate", "phase": phases[-1].name, "round": phases[-1].last_round, "sites": 4,
-                           "server_client_states": 0}
-    assert all((r["clients"], r["failed"], r["rejected"]) == (4, 0, []) for r in m["rounds"]), m["rounds"]
+                           "server_client_states": len(held)}
+    assert (len(held) == 4) == (name in SERVER_HOLDS)
+    opted = name == "fedmoe"
+    for r in m["rounds"]:
+        clients = 3 if opted and r["phase"] == "federation" else 4  # the opt-out site is never asked in a communicating round
+        assert (r["clients"], r["failed"], r["rejected"]) == (clients, 0, []), r
     communicating = [r for r in m["rounds"] if r["phase"] == "federation"]
-    assert len(communicating) == 2 and all(r["bytes_up"] > 0 for r in communicating)
+    if name == "local":  # nothing travels, either way, yet the rounds ran at every site
+        assert not communicating and len(m["rounds"]) == 2
+        assert all(r["bytes_up"] == r["bytes_down"] == 0 for r in m["rounds"])
+    else:
+        assert len(communicating) == 2 and all(r["bytes_up"] > 0 for r in communicating)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -129,7 +186,7 @@ def test_personal_state_only_at_the_sites(methods, name):
                                        msg=lambda msg, k=k, cid=cid: f"{name} site {cid} {k}: {msg}")
         assert m["evaluation"][str(cid)]["has-state"] == 1
     checkpoint = PhaseState.from_bytes((m["out"] / "server-state.pt").read_bytes(), "cpu", where="server-state.pt")
-    assert not checkpoint.clients and not checkpoint.server.per_client
+    assert not checkpoint.clients and (name in SERVER_HOLDS or not checkpoint.server.per_client)
     assert not [p.name for p in m["out"].iterdir() if p.suffix == ".safetensors" and p.name != "global.safetensors"]
 
 
@@ -142,6 +199,7 @@ def test_every_federated_method_uploads_its_declared_layout(tmp_path):
     checked = []
     for name in FEDERATED:
         extra = ["method.finetune_epochs=1"] if name in ("pfedmb", "fedavg_ft", "fedprox_ft") else []
+        extra += ["method.max_epochs=1"] if name == "fedmoe" else []
         cfg = load_config(None, [*BASE, "partition.num_clients=2", f"method.name={name}", *extra])
         spec = FederationSpec.from_run_config(cfg, data.input_shape, data.num_classes, 2)  # refuses what is not federated
         algorithm, initial = spec.build(torch.device("cpu"))
@@ -156,12 +214,13 @@ def test_every_federated_method_uploads_its_declared_layout(tmp_path):
             state = o.new_state
             if o.upload is None:
                 continue
-            layout = algorithm.upload_layout(phase, download)
+            layout = algorithm.upload_layout(phase, download, o.upload.keys())  # IFCA's cluster, FedMN's units: the names pick
+            assert algorithm.upload_problem(phase, download, o.upload) is None, (name, phase.name)
             assert {k: (tuple(t.shape), t.dtype) for k, t in o.upload.items()} == \
                    {k: (tuple(t.shape), t.dtype) for k, t in layout.items()}, (name, phase.name)
             server = algorithm.aggregate(phase, server, [Upload(0, o.num_samples, o.upload)])
             checked.append((name, phase.name))
-    assert {n for n, _ in checked} == set(FEDERATED)
+    assert {n for n, _ in checked} == set(FEDERATED) - {"local"}  # Local uploads nothing in any phase
 
 
 def test_a_site_reads_only_its_runs_state(tmp_path):
@@ -187,3 +246,14 @@ def test_the_robust_rule_is_applied_at_the_server(methods):
     plain = safetensors.torch.load_file(str(methods["ditto"]["out"] / "global.safetensors"))
     robust = safetensors.torch.load_file(str(methods["ditto_median"]["out"] / "global.safetensors"))
     assert max(float((plain[k] - robust[k]).abs().max()) for k in plain) > 1e-5
+
+
+def test_an_opt_out_site_is_never_asked_to_upload(methods):
+    """FedMoE with site OPT_OUT opting out (its own site.json): the census carries its flag, no communicating round asks
+    it (so nothing of it is aggregated), and it still trains its specialist and gate at home (checked above against the
+    simulation's state of that client)."""
+    m = methods["fedmoe"]
+    census = json.loads((m["out"] / "census.json").read_text())
+    assert {s["client_id"]: s["opt_out"] for s in census["sites"]} == {c: c == OPT_OUT for c in range(4)}
+    for r in m["rounds"]:
+        assert (str(OPT_OUT) in r["reported"]) == (r["phase"] != "federation"), r
