@@ -174,7 +174,7 @@ def publish(config: Input[Artifact], evaluated_run: str, decision: Output[Metric
 
 def federated_census(config: Input[Artifact], census: Output[HTML]) -> str:
     """Federation mode: wait for the sites the config names (federation.sites, federation.site_names; a timeout names
-    the missing ones) and take their census at the SuperLink: names, split sizes, label counts (withheld with privacy
+    the missing ones) and take their census at the SuperLink: names, split sizes, label counts (noised with privacy
     on). Returns the sites' names, comma-separated. (components/federated.py has the federation tasks' work.)"""
     from fedpipe.components import federated
 

@@ -42,12 +42,12 @@ def census(config_path: str, html_path: str) -> str:
     table = json.loads(submission(run.cfg).read("census.json") or b'{"sites": []}')  # bounded (federation.outputs.LIMITS)
     lines = [f"{len(table['sites'])} sites answered the census: {', '.join(map(str, result.get('names', [])))}"]
     images = {}
-    if table["sites"] and table["sites"][0].get("counts"):  # with privacy on the sites withhold their label counts
+    if table["sites"] and table["sites"][0].get("counts"):  # with privacy on: the counts the sites released with noise
         path = Path(html_path).with_suffix(".png")
         images["census.png"] = census_heatmap(table, path).read_bytes()
         path.unlink()
     else:
-        lines.append("The sites withheld their label counts (privacy.enabled).")
+        lines.append("The sites withheld their label counts (privacy.census_noise_multiplier unset, or their own policies).")
     Path(html_path).write_text(render_html(f"Census of {run.layout.run_id}", lines, images))
     return ",".join(map(str, result.get("names", [])))
 

@@ -523,6 +523,12 @@ class PrivacyConfig(Section):
     clip_count_stddev: float | None = Field(None, gt=0, le=1e6)
     """sigma_b: the std of the noise on the count of clients within the clip; None: the expected cohort / 20 (the
     paper's choice, Sec. 4). Must exceed noise_multiplier / 2."""
+    census_noise_multiplier: float | None = Field(10.0, gt=0, le=1e6)
+    """A federation's census: each site releases its label counts (per split and label) with Gaussian noise of this
+    std added to each count, rounded and floored at 0 (the Gaussian mechanism on a histogram: one record changes one
+    count by 1), so the report's partition heatmap is drawn from noised counts; the accountant counts the release
+    once, with this noise multiplier at sample rate 1, before the first round. None: the sites withhold their counts
+    (no heatmap, nothing spent). Sites whose data fedpipe exported from a simulation report no counts either way."""
     seeded_noise: bool = False
     """False: the noise and the Poisson sample come from the operating system's entropy (needed for the
     guarantee: anyone who knows run.seed could otherwise subtract the noise). True: from run.seed, so a rerun
@@ -535,7 +541,7 @@ class PrivacyConfig(Section):
     for a version that is not private (its ledger is not composed: your word that it holds no client's data); a
     private version's ledger is still composed, since its clients' data is in it whatever this flag says."""
 
-    @field_validator("delta", "target_epsilon", "clip_count_stddev", mode="before")
+    @field_validator("delta", "target_epsilon", "clip_count_stddev", "census_noise_multiplier", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         # a pipeline's text parameter leaves these "" for unset (pipelines/builder.py TEXT_PARAMETERS)

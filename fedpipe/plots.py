@@ -98,7 +98,10 @@ def census_figure(census: dict) -> Figure:
     ax.set_ylabel("site")
     _annotate_counts(ax, counts)
     held = sum(int(np.sum(s["counts"]["holdout"])) for s in sites)
-    title = (f"federation census: {k} sites, {c} classes (counts the sites reported; {held:,} samples held out "
+    noise = max((s.get("counts_noise") or 0 for s in sites), default=0)
+    reported = (f"label counts the sites released with Gaussian noise of std {noise:g} (privacy)" if noise
+                else "counts the sites reported")
+    title = (f"federation census: {k} sites, {c} classes ({reported}; {held:,} samples held out "
              "at the sites as the global test set)")
     fig.suptitle(_wrapped(title, width, fontsize=10), fontsize=10)
     return fig

@@ -506,17 +506,47 @@ def benchmark_pipeline(cfg: RunConfig, methods: list[str], options: DeployOption
         v = _bind(signature, args, kwargs)
         resolve = _resolve_task(c, v, fields, "").set_display_name("config (shared)")
         _step(resolve, v, options)
-        part = c.partition(config=resolve.outputs["config"]).set_display_name("partition (shared)")
-        _step(part, v, options)
-        evaluations = [
-            _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m)
-            for m in methods
-        ]
-        table = c.compare(config=resolve.outputs["config"], **{f"run_id_{m}": e.outputs["Output"] for m, e in zip(methods, evaluations)})
-        table.set_display_name("comparison table")
-        _step(table, v, options)
+        with dsl.If(resolve.outputs["Output"] != "federation", name="simulation"):
+            part = c.partition(config=resolve.outputs["config"]).set_display_name("partition (shared)")
+            _step(part, v, options)
+            evaluations = [
+                _method_branch(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, part.outputs["manifest"], m)
+                for m in methods
+            ]
+            _compare(c, v, options, resolve.outputs["config"], methods, evaluations)
+        with dsl.Else(name="federation"):  # engine_mode=federation: one census, each method its own run at the same sites
+            census = c.federated_census(config=resolve.outputs["config"]).set_display_name("census of the sites (shared)")
+            _federation_step(census, v, options)
+            evaluations = [_federated_method(c, v, options, cfg.model_copy(update={"method": per_method[m]}), fields, census, m)
+                           for m in methods]
+            _compare(c, v, options, resolve.outputs["config"], methods, evaluations)
 
-    return _as_pipeline(body, signature, name, f"Benchmark of {', '.join(methods)} on one partition, with a comparison table.")
+    return _as_pipeline(body, signature, name, f"Benchmark of {', '.join(methods)} on one partition (simulation) or on the "
+                        "same sites (federation), with a comparison table.")
+
+
+def _compare(c: Components, v: dict, options: DeployOptions, config, methods: list[str], evaluations: list) -> None:
+    table = c.compare(config=config, **{f"run_id_{m}": e.outputs["Output"] for m, e in zip(methods, evaluations)})
+    table.set_display_name("comparison table")
+    _step(table, v, options)
+
+
+def _federated_method(c: Components, v: dict, options: DeployOptions, cfg: RunConfig, fields: dict, census, method: str):
+    """One method of a benchmark at the sites: its own config (its run id), then its phases and its evaluation, each a
+    stage of its run at the SuperLink, after the shared census; returns its evaluate task (nothing is published)."""
+    resolve = _resolve_task(c, v, fields, method).set_display_name(f"config {method}")
+    _step(resolve, v, options)
+    previous = None
+    for phase in phases_of(cfg.method, cfg.train.rounds):
+        inputs = {"previous": previous} if previous is not None else {}
+        task = c.federated_phase(config=resolve.outputs["config"], phase=phase.name, census=census.outputs["Output"], **inputs)
+        task.set_display_name(f"{method} {phase.name} at the sites")
+        _federation_step(task, v, options)
+        task.set_retry(options.retries)
+        previous = task.outputs["state"]
+    evaluate = c.federated_evaluate(config=resolve.outputs["config"], state=previous).set_display_name(f"evaluate {method} at the sites")
+    _federation_step(evaluate, v, options)
+    return evaluate
 
 
 def _as_pipeline(body: Callable, signature: inspect.Signature, name: str, description: str) -> Callable:

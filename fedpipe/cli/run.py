@@ -17,7 +17,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
         take_over: Annotated[bool, typer.Option("--take-over", help="Take the run over from a writer whose heartbeat is older than FEDPIPE_OWNER_STALE_SECONDS (a dead one).")] = False,
         pipeline_root: Annotated[Optional[Path], typer.Option(help="Folder for the pipeline's task artifacts (default: <store>/_kfp).")] = None,
         verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every line the pipeline tasks print.")] = False,
-        benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", help="Run the benchmark pipeline of these methods (repeatable) on one partition instead, and print its comparison table.")] = None):
+        benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", help="Run the benchmark pipeline of these methods (repeatable) on one partition instead, and print its comparison table. With engine.mode=federation: each method its own federated run on the same sites, one table.")] = None):
     """Run the method's Kubeflow pipeline on this machine (kfp's local runner): config, partition,
     one task per training phase, evaluation; then print a summary and where the report is.
 
@@ -33,7 +33,8 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
         from fedpipe.models.warm import pin_init_from
 
         # no data snapshot to pin here (each site reads its own); the warm start's version is pinned, as in a simulation
-        _run_federated(pin_init_from(_load(config, set, run_id)))
+        cfg = pin_init_from(_load(config, set, run_id))
+        _run_federated_benchmark(cfg, benchmark) if benchmark else _run_federated(cfg)
         return
     cfg = _load_for_run(config, set, run_id)
     r = Run(cfg, take_over=take_over)
@@ -88,6 +89,27 @@ def _run_federated(cfg) -> None:
     if cfg.registry.name:
         publish_federated(cfg, summary, None if champion is None else champion[0])
         _print_publication(open_store(str(cfg.run.store)), cfg.registry.name, Run(cfg).layout.run_id)
+
+
+def _run_federated_benchmark(cfg, methods: list[str]) -> None:
+    """`--benchmark` with engine.mode=federation: each method its own run (run id `<run>-<method>`) through the same
+    SuperLink on the same sites, one after another, then one comparison table (`fedpipe.federation.report`); nothing
+    is published (a benchmark compares, as the simulated one does)."""
+    from fedpipe.federation.launch import federate, site_count
+    from fedpipe.federation.report import comparison_table
+    from fedpipe.run.config import RunConfig
+    from fedpipe.run.run import Run
+
+    base = Run(cfg).layout.run_id
+    summaries = []
+    for i, method in enumerate(methods, 1):
+        tree = cfg.model_dump(mode="json")
+        tree.update(method={"name": method}, run={**tree["run"], "id": f"{base}-{method}"}, registry={**tree["registry"], "name": ""})
+        one = RunConfig.model_validate(tree)  # every check of the config again, with this method
+        typer.echo(f"[{i}/{len(methods)}] {method}: a federated run ({one.run.id}) through {cfg.federation.superlink} "
+                   f"on {site_count(cfg)} sites", err=True)
+        summaries.append(federate(one))
+    typer.echo(comparison_table(summaries))
 
 
 def _print_publication(store, name: str, run_id: str) -> None:

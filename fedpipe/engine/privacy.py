@@ -66,7 +66,7 @@ def new_secret() -> bytes:
     return os.urandom(SECRET_BYTES)
 
 
-def _generator(cfg: PrivacyConfig, seed: int, secret: bytes | None, *key) -> torch.Generator:
+def noise_generator(cfg: PrivacyConfig, seed: int, secret: bytes | None, *key) -> torch.Generator:
     """The generator of one draw, named by `key` (purpose, round, client): seeded by (run seed, key) with
     `seeded_noise` (reproducible, not private); else by SHA-256 of (the run's secret, key), so a replayed round
     draws what it drew the first time while nobody without the secret can; with no secret (a bare `Privacy`
@@ -83,7 +83,7 @@ def poisson_sample(pool: list[int], q: float, cfg: PrivacyConfig, seed: int, rou
     """Each client of `pool` independently with probability q (the round may be empty)."""
     if q >= 1:
         return list(pool)
-    draws = torch.rand(len(pool), generator=_generator(cfg, seed, secret, "poisson", round_), dtype=torch.float64)
+    draws = torch.rand(len(pool), generator=noise_generator(cfg, seed, secret, "poisson", round_), dtype=torch.float64)
     return sorted(c for c, u in zip(pool, draws.tolist()) if u < q)
 
 
@@ -145,8 +145,8 @@ class Privacy:
         return (self.sigma ** -2 - (2 * self.count_std) ** -2) ** -0.5
 
     def generator(self, *key) -> torch.Generator:
-        """The generator of the draw named by `key` (see `_generator`)."""
-        return _generator(self.cfg, self.seed, self.secret, *key)
+        """The generator of the draw named by `key` (see `noise_generator`)."""
+        return noise_generator(self.cfg, self.seed, self.secret, *key)
 
     def noised_count(self, norms: list[float], round_: int, centred: float | None = None) -> float:
         """What adaptive clipping releases of a round: sum_k (1[||Delta_k|| <= C] - 1/2) + N(0, sigma_b^2). The bits

@@ -68,6 +68,7 @@ class OwnFilesCensus(BaseModel):
     counts: dict[Literal["train", "val", "test", "holdout"], list[Count]] | None
     snapshot: dict[Literal["digest"], Annotated[str, Field(max_length=128)]]
     opt_out: bool = False
+    counts_noise: float | None = Field(None, gt=0, le=1e6)  # privacy: the std of the Gaussian noise on each count
 
     @model_validator(mode="after")
     def _consistent(self) -> OwnFilesCensus:
@@ -164,9 +165,20 @@ class Census:
         return {"labels": list(self.labels), "input_shape": list(self.input_shape or ()), "num_classes": self.num_classes,
                 "refused": list(self.refused),
                 "sites": [{"client_id": s.client_id, "name": s.name, "node_id": s.node_id, "opt_out": s.opt_out,
-                           **({"samples": s.samples.model_dump()} if s.samples is not None else {}),
-                           **({"counts": s.census["counts"], "snapshot": s.census["snapshot"]} if s.census else {})}  # counts None: withheld (privacy)
+                           # noised counts (privacy): the exact sizes stay with the server, which weighs by them
+                           **({"samples": s.samples.model_dump()} if s.samples is not None and not _noised(s) else {}),
+                           **({"counts": s.census["counts"], "snapshot": s.census["snapshot"]} if s.census else {}),  # None: withheld
+                           **({"counts_noise": s.census["counts_noise"]} if _noised(s) else {})}
                           for s in self.sites]}
+
+    @property
+    def noised(self) -> bool:
+        """Whether some site released its label counts through the Gaussian mechanism (privacy)."""
+        return any(_noised(s) for s in self.sites)
+
+
+def _noised(site: Counted) -> bool:
+    return bool(site.census and site.census.get("counts") is not None and site.census.get("counts_noise"))
 
 
 def take_census(answers: list[tuple[int, dict]]) -> Census:

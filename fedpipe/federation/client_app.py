@@ -41,7 +41,7 @@ from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
 from fedpipe.engine.privacy import CLIP_BIT, centred_bit
 from fedpipe.federation import audit
 from fedpipe.federation.faults import claimed_samples, corrupt, inflated_evaluation, injected_fault
-from fedpipe.federation.private import site_privacy
+from fedpipe.federation.private import census_release, noised_counts, secret_in, site_privacy
 from fedpipe.federation.sites import Site, keep_for_serving, state_digest
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, from_record, to_record
@@ -113,9 +113,15 @@ def identify(msg: Message, context: Context) -> Message:
     answer = {"client-id": site.client_id, "opt-out": opts_out(site), "samples": json.dumps(samples)}
     if site.census is not None:
         # what the server needs and nothing more: the snapshot's digest, not the site's local path or file counts
-        census = {**site.census, "snapshot": {"digest": site.census["snapshot"]["digest"]}}
-        if (spec is not None and spec.privacy_cfg is not None) or not SETTINGS.label_counts:
-            census["counts"] = None  # privacy, or the site's policy: the label counts are not released at all
+        digest = site.census["snapshot"]["digest"]
+        census = {**site.census, "snapshot": {"digest": digest}}
+        private = spec is not None and spec.privacy_cfg is not None
+        if not SETTINGS.label_counts or (private and census_release(spec) is None):
+            census["counts"] = None  # the site's policy, or privacy without a census release: not released at all
+        elif private and census["counts"] is not None:  # the Gaussian mechanism on the histogram, noised with the site's own secret
+            cfg = spec.privacy_cfg
+            census["counts"] = noised_counts(cfg, spec.seed, None if cfg.seeded_noise else secret_in(site.folder), digest, census["counts"])
+            census["counts_noise"] = float(cfg.census_noise_multiplier)
         answer["census"] = json.dumps(census)
     return Message(RecordDict({"site": ConfigRecord(answer)}), reply_to=msg)
 

@@ -134,7 +134,7 @@ def write_federated_report(cfg, run: SubmittedRun | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="fedpipe-report-") as tmp:
         out, report = run.fetch(Path(tmp) / "federation"), Path(tmp) / "report"
         summary = write_report(out, report, f"{cfg.method.name}, federated over {site_count(cfg)} sites ({layout.run_id})",
-                               (run.url, run.store.url(layout.report("report.html"))))
+                               (run.url, run.store.url(layout.report("report.html"))), method=cfg.method.name)
         for path in sorted(report.iterdir()):
             run.store.put(layout.report(path.name), path.read_bytes())
     return summary

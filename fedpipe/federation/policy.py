@@ -207,14 +207,18 @@ def run_delta(spec) -> float:
 
 
 def run_epsilon(spec) -> float:
-    """The most epsilon the run `spec` can spend: the planned rounds' (every communicating phase's rounds at its sample
-    rate and the noise multiplier), capped by target_epsilon; in local mode the epsilon against the server itself
+    """The most epsilon the run `spec` can spend: the census's noised label counts and the planned rounds' (every
+    communicating phase's rounds at its sample rate and the noise multiplier), capped by target_epsilon; in local mode the epsilon against the server itself
     (`fedpipe.engine.accounting.epsilon_against_server`), which a site that trusts nobody counts."""
     from fedpipe.engine.accounting import epsilon_against_server, epsilon_of
     from fedpipe.federation.private import sample_rate
 
+    from fedpipe.federation.private import census_release
+
     cfg = spec.privacy_cfg
-    history = [[cfg.noise_multiplier, sample_rate(spec, p), len(p.rounds)] for p in spec.phases() if p.communicates]
+    census = census_release(spec)  # the census's noised label counts, spent once before the first round
+    history = [*([[census, 1.0, 1]] if census is not None else []),
+               *([cfg.noise_multiplier, sample_rate(spec, p), len(p.rounds)] for p in spec.phases() if p.communicates)]
     if cfg.mode == "local":
         return epsilon_against_server(cfg.accountant, history, run_delta(spec))
     planned = epsilon_of(cfg.accountant, history, run_delta(spec))

@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from fedpipe.algorithms.base import Phase
-from fedpipe.engine.privacy import Privacy
+from fedpipe.engine.privacy import Privacy, noise_generator
 
 SECRET = "privacy-secret"
 
@@ -72,3 +74,26 @@ def site_privacy(spec, phase: Phase, clip: float | None, folder: str | Path) -> 
                    None if cfg.seeded_noise else secret_in(folder))
     made.clip = float(clip)
     return made
+
+
+def noised_counts(cfg, seed: int, secret: bytes | None, digest: str, counts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """A site's label histogram as a private census releases it: the Gaussian mechanism, each count plus
+    N(0, census_noise_multiplier^2) (one record added or removed changes one count by 1: L2 sensitivity 1), then
+    rounded and floored at 0 (post-processing). The draws are keyed by the site's own secret and its data's snapshot
+    digest: a census of the same data releases the same numbers again (nothing new to count), new data fresh ones."""
+    z = float(cfg.census_noise_multiplier)
+    out = {}
+    for split in sorted(counts):
+        gen = noise_generator(cfg, seed, secret, "dp-census", digest, split)
+        noise = torch.normal(0.0, z, size=(len(counts[split]),), generator=gen, dtype=torch.float64).tolist()
+        out[split] = [max(0, round(c + n)) for c, n in zip(counts[split], noise)]
+    return out
+
+
+def census_release(spec) -> float | None:
+    """The noise multiplier of a private census's label counts (`privacy.census_noise_multiplier`), which the accountant
+    spends once at sample rate 1; None when nothing is released that way (no privacy, or the counts withheld)."""
+    cfg = spec.privacy_cfg
+    if cfg is None or cfg.census_noise_multiplier is None or not spec.site_data:
+        return None
+    return float(cfg.census_noise_multiplier)

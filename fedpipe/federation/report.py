@@ -6,7 +6,7 @@ evaluation.json, rounds.jsonl) and writes the run's report where a simulation's 
     summary.json   the headline figures and every site's scores, by site name
     sites.csv      one row per site: its split sizes (the census), its personalized accuracy and chosen candidate,
                    the global model on its held-out share, the rounds it answered and the rounds it failed
-    census.png     the census heatmap (not drawn with privacy on: the sites withhold their label counts)
+    census.png     the census heatmap (with privacy on, of the label counts the sites released with noise)
     rounds.png     per round: the sites' training loss, the sites that answered or failed, the bytes up and down
     report.html    all of it on one self-contained page (the Kubeflow UI's HTML viewer and a browser show it)
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from fedpipe.errors import CorruptArtifactError
 from fedpipe.plots import census_heatmap, federated_rounds
-from fedpipe.run.report import clients_html, csv_text, render_html
+from fedpipe.run.report import _number, clients_html, csv_text, md_text, render_html
 from fedpipe.safe_load import parse_json
 
 MAX_OUTPUT_BYTES = 64 * 2**20  # census.json / evaluation.json / rounds.jsonl of even a large federation are far smaller
@@ -46,15 +46,18 @@ def read_output(path: Path, what: str):
     return parse_json(data, str(path), what, MAX_OUTPUT_BYTES, CorruptArtifactError)
 
 
-def write_report(out: Path, report_dir: Path, title: str, urls: tuple[str, str] | None = None) -> dict:
+def write_report(out: Path, report_dir: Path, title: str, urls: tuple[str, str] | None = None, method: str | None = None) -> dict:
     """The federated run's report (see the module's docstring); returns its summary. `urls`: where the outputs and the
-    report are shown to be (the run's store), when `out` and `report_dir` are local copies."""
+    report are shown to be (the run's store), when `out` and `report_dir` are local copies; `method`: the run's, for a
+    benchmark's comparison table (`comparison_table`)."""
     census, scores = read_output(out / "census.json", "census"), read_output(out / "evaluation.json", "site evaluation")
     rounds = read_output(out / "rounds.jsonl", "round log")
     report_dir.mkdir(parents=True, exist_ok=True)
     summary = summarise(census, scores, rounds, title, out)
+    if method:
+        summary["method"] = method
     images = {}
-    if census["sites"] and census["sites"][0].get("counts"):  # none with privacy: the sites withhold their counts
+    if census["sites"] and census["sites"][0].get("counts"):  # with privacy noised (or withheld: then none)
         images["census.png"] = census_heatmap(census, report_dir / "census.png").read_bytes()
     if rounds:
         images["rounds.png"] = federated_rounds(rounds, report_dir / "rounds.png", f"{title}: rounds").read_bytes()
@@ -92,7 +95,31 @@ def summarise(census: dict, scores: dict, rounds: list[dict], title: str, out: P
     if private:
         summary["privacy"] = {"epsilon": private[-1]["epsilon"], "delta": private[-1]["delta"], "clip": private[-1]["clip"],
                               "private_rounds": len(private), "mode": "federated"}
+        noise = [s["counts_noise"] for s in census["sites"] if s.get("counts_noise")]
+        if noise:  # the census released noised label counts: spent once before the first round, part of this epsilon
+            summary["privacy"]["census_noise"] = max(noise)
     return summary
+
+
+def comparison_table(summaries: list[dict]) -> str:
+    """A benchmark run as a federation (`fedpipe run --benchmark A --benchmark B` with engine.mode=federation, or the
+    benchmark pipeline's federation branch): one row per method, each its own run through the same SuperLink on the
+    same sites, in the shape of the simulation's table (`fedpipe.run.report.comparison_table`): the personalized
+    accuracy over the sites (each on its own test split), the global model on the sites' held-out shares, the traffic,
+    and the epsilon spent when private."""
+    pct = lambda x: _number(x, ".2f", 100, "%")  # noqa: E731
+    lines = ["| method | personalized acc. (mean ± std over sites) | global model (sites' held-out shares) | rounds | MB up | MB down | epsilon |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in sorted(summaries, key=lambda s: str(s.get("method", s.get("title", "")))):
+        accs = [float(site["accuracy"]) for site in s.get("per_site", {}).values()]
+        std = (sum((a - s["personalized_accuracy"]) ** 2 for a in accs) / len(accs)) ** 0.5 if accs else None
+        eps = s.get("privacy", {}).get("epsilon") if s.get("privacy") else None
+        lines.append(f"| {md_text(s.get('method', s.get('title', '?')))} | {pct(s['personalized_accuracy'])} ± {pct(std)} | "
+                     f"{pct(s.get('global_accuracy'))} | {md_text(s.get('rounds'))} | {_number(s.get('bytes_up'), '.1f', 1e-6)} | "
+                     f"{_number(s.get('bytes_down'), '.1f', 1e-6)} | {_number(eps, '.2f') if eps is not None else '-'} |")
+    first = summaries[0] if summaries else {}
+    sites = ", ".join(md_text(name, 60) for name in first.get("per_site", {}))
+    return f"federated over {md_text(first.get('sites', '?'))} sites ({sites})" + "\n\n" + "\n".join(lines)
 
 
 def held_out_accuracy(scores: dict, key: str = "holdout-accuracy") -> float | None:
@@ -119,7 +146,8 @@ def summary_lines(summary: dict) -> list[str]:
     if summary.get("privacy"):
         p = summary["privacy"]
         lines.append(f"  privacy                epsilon {p['epsilon']:.3f} at delta {p['delta']:.2g} after {p['private_rounds']} "
-                     f"private rounds (clip {p['clip']})")
+                     f"private rounds (clip {p['clip']})"
+                     + (f" and the census's label counts (Gaussian noise, std {p['census_noise']:g})" if p.get("census_noise") else ""))
     if summary.get("report"):
         lines.append(f"  report                 {summary['report']}")
     return lines

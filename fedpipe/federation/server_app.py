@@ -32,7 +32,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import http_grid
 
 from fedpipe.algorithms.base import Algorithm, Phase, ServerState
-from fedpipe.engine.accounting import Ledger
+from fedpipe.engine.accounting import Ledger, default_delta
 from fedpipe.engine.clients import ClientOutcome, ClientWork
 from fedpipe.engine.privacy import Privacy
 from fedpipe.engine.rounds import RoundResult, run_phase
@@ -51,7 +51,7 @@ from fedpipe.federation.census import (
     vouched_scores,
 )
 from fedpipe.federation.outputs import ServerOutputs
-from fedpipe.federation.private import server_privacy
+from fedpipe.federation.private import census_release, server_privacy
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.supernode import quick_pulls
 from fedpipe.federation.transport import POLL, UploadRejected, check_upload, record_bytes, to_record
@@ -435,8 +435,7 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     if audited:  # test-only: and every aggregation hook the server has
         algorithm = audit.AuditedAlgorithm(algorithm, out)
     log.info("fedpipe federation: %d sites: %s", roster.num_clients, [(e.client_id, e.node_id) for e in roster.clients])
-    state = resume.load(out, spec.to_json(), spec.method["name"]) or PhaseState(spec.method["name"], "init", 0, ServerState(initial), {},
-                                                                                privacy=read_warm_ledger(out, spec))
+    state = resume.load(out, spec.to_json(), spec.method["name"]) or fresh_state(spec, roster, census, initial, out)
     if state.round:
         publish(resume.RESUMES)
         log.info("fedpipe federation: resuming after round %d (phase %s) from %s", state.round, state.phase, out / resume.CHECKPOINT)
@@ -451,6 +450,22 @@ def serve(grid: Grid, spec: FederationSpec, out: Path, timeout: float, round_tim
     publish("evaluation.json")
     _finish(out, publish, {"stage": "evaluate", "phase": state.phase, "round": state.round, "sites": roster.num_clients,
                            "server_client_states": len(state.clients) + len(state.server.per_client)})
+    return state
+
+
+def fresh_state(spec: FederationSpec, roster: Roster, census: Census, initial: dict[str, torch.Tensor], out: Path) -> PhaseState:
+    """The run's state before its first round: with privacy, the warm start's ledger continued (`read_warm_ledger`), and
+    the census's noised label counts (`census_release`) spent in it once, at sample rate 1 (a resumed run's checkpoint
+    holds that spend already; a census retaken by a later submission releases the same numbers again)."""
+    state = PhaseState(spec.method["name"], "init", 0, ServerState(initial), {}, privacy=read_warm_ledger(out, spec))
+    z = census_release(spec)
+    if z is not None and census.noised:
+        cfg = spec.privacy_cfg
+        if state.privacy is None:  # the ledger `fedpipe.engine.rounds.ledger_of` would open at the first round
+            state.privacy = Ledger(cfg.accountant, cfg.delta if cfg.delta is not None else default_delta(roster.num_clients))
+        state.privacy.spend(z, 1.0)
+        log.info("fedpipe federation: the census's noised label counts (noise multiplier %g) spend epsilon %.3f", z,
+                 state.privacy.epsilon())
     return state
 
 

@@ -115,3 +115,42 @@ def test_secrets_stay_where_they_are_drawn(tmp_path):
     assert site_privacy(spec, phase, 1.0, tmp_path / "site-a").secret == site_a.secret
     with pytest.raises(ValueError, match="privacy-clip"):
         site_privacy(spec, phase, None, tmp_path / "site-a")
+
+
+def test_a_private_census_noises_each_count_with_the_sites_own_draws():
+    """`noised_counts`, the Gaussian mechanism on a site's histogram: whole, non-negative counts; noise of std z around
+    the exact ones (many counts: the sample std within 10% of z, the mean near 0 where no count is floored); the same
+    numbers again for the same data and secret (a retaken census releases nothing new), other numbers for new data
+    (another snapshot digest) or another site's secret."""
+    from fedpipe.federation.private import noised_counts
+
+    cfg = load_config(None, ["privacy.enabled=true", "privacy.census_noise_multiplier=4"]).privacy
+    exact = {"train": [1000] * 5000, "val": [0, 1, 2, 3]}
+    secret = bytes(range(32))
+    got = noised_counts(cfg, 0, secret, "digest-a", exact)
+    assert all(isinstance(c, int) and c >= 0 for split in got.values() for c in split)
+    diffs = torch.tensor([g - e for g, e in zip(got["train"], exact["train"])], dtype=torch.float64)
+    assert abs(float(diffs.std()) - 4) < 0.4 and abs(float(diffs.mean())) < 0.3
+    assert noised_counts(cfg, 0, secret, "digest-a", exact) == got
+    assert noised_counts(cfg, 0, secret, "digest-b", exact)["train"] != got["train"]
+    assert noised_counts(cfg, 0, bytes(32), "digest-a", exact)["train"] != got["train"]
+
+
+def test_a_noised_census_keeps_the_exact_sizes_at_the_server():
+    """census.json of a private census carries the noised counts and their noise, not the exact split sizes (the server
+    keeps those, in memory, to weigh by)."""
+    from fedpipe.federation.census import read_answer
+
+    own = {"name": "a", "labels": ["0", "1"], "input_shape": [1, 8, 8], "num_classes": 2, "counts_noise": 3.0,
+           "counts": {"train": [3, 5], "val": [0, 1], "test": [2, 2], "holdout": [4, 4]}, "snapshot": {"digest": "ab"}}
+    import json
+
+    answer = read_answer(1, {"client-id": -1, "opt-out": False, "census": json.dumps(own),
+                             "samples": json.dumps({"train": 7, "test": 4, "holdout": 9})})
+    census = take_census([(1, answer)])
+    (site,) = census.summary()["sites"]
+    assert census.noised and site["counts_noise"] == 3.0 and "samples" not in site and site["counts"]["train"] == [3, 5]
+    assert census.sites[0].samples.train == 7
+    plain = take_census([(1, read_answer(1, {"client-id": -1, "opt-out": False, "census": json.dumps({**own, "counts_noise": None}),
+                                             "samples": json.dumps({"train": 7, "test": 4, "holdout": 9})}))])
+    assert not plain.noised and plain.summary()["sites"][0]["samples"]["train"] == 7

@@ -53,6 +53,7 @@ def _fedpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 PIPELINE_BUCKET = "kubeflow-runs"
+PRIVATE = ["privacy.enabled=true", "privacy.noise_multiplier=1.0", "privacy.clip=1.0", "privacy.census_noise_multiplier=3"]
 
 
 @pytest.fixture(scope="session")  # once per worker even when xdist interleaves modules
@@ -118,6 +119,9 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         # `fedpipe run`) and gated against it, which the sites score on the same samples
         again = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=federated-2", "train.rounds=1", "train.init_from=promoted"]),
                          timeout=300)
+        # a private run: the census releases the label counts through the Gaussian mechanism (each site's own noise)
+        private = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=private", "train.rounds=1", "registry.name=",
+                                                           *PRIVATE]), timeout=300)
         # the method's compiled pipeline in federation mode (the run parameter engine_mode; kfp's local runner, each
         # task its own process): the census, the phase and the evaluation, each a submission of its own
         from_ui = load_config(None, [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
@@ -128,6 +132,7 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         evaluation_ui = json.loads(open_store(str(from_ui.run.store)).get("from-the-ui/federation/evaluation.json"))
         logs = {name: fed.log_of(name) for name in SITES}
     assert again.returncode == 0, again.stdout + again.stderr
+    assert private.returncode == 0, private.stdout + private.stderr
     # the simulation of that second run: the same config, warm-started from the same version of the same line
     from fedpipe.models.warm import attach
 
@@ -145,7 +150,11 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
                 federated=safetensors.torch.load_file(str(out / "global.safetensors")), partition=partition, bundle=sim_run.bundle,
                 result=json.loads((out / "result.json").read_text()), census=json.loads((out / "census.json").read_text()),
                 evaluation=json.loads((out / "evaluation.json").read_text()), summary=json.loads((report / "summary.json").read_text()),
-                rounds=[json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()])
+                rounds=[json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()],
+                private=dict(stdout=private.stdout, census=json.loads((store / "private" / "federation" / "census.json").read_text()),
+                             rounds=[json.loads(line) for line in (store / "private" / "federation" / "rounds.jsonl").read_text().splitlines()],
+                             summary=json.loads((store / "private" / "report" / "summary.json").read_text()),
+                             heatmap=(store / "private" / "report" / "census.png")))
 
 
 def test_sites_with_their_own_files_train_the_simulations_model(own_files):
@@ -295,3 +304,30 @@ def test_the_pipeline_in_federation_mode_runs_at_the_sites(own_files):
     (version,) = line.versions()
     record = line.record(version)
     assert record.run_id == layout.run_id and record.decision["promoted"] and line.promoted() == version and record.clients == ()
+
+
+def test_a_private_census_releases_noised_counts_and_counts_them(own_files):
+    """With privacy on, each site releases its label counts through the Gaussian mechanism (std 3 here): whole,
+    non-negative numbers near the exact counts (the plain run's census) but not them; the heatmap is drawn from them;
+    the exact split sizes stay out of census.json; and the accountant spent the release once before the first round:
+    the epsilon after the run's one round is that of the census (noise multiplier 3, sample rate 1) composed with the
+    round's (noise multiplier 1, every site), as the report's privacy line says."""
+    from fedpipe.engine.accounting import default_delta, epsilon_of
+
+    exact, private = own_files["census"], own_files["private"]
+    moved = 0
+    for plain, noised in zip(exact["sites"], private["census"]["sites"]):
+        assert plain["name"] == noised["name"] and noised["counts_noise"] == 3 and "samples" not in noised
+        for split in ("train", "val", "test", "holdout"):
+            got, want = noised["counts"][split], plain["counts"][split]
+            assert all(isinstance(c, int) and c >= 0 for c in got)
+            assert all(abs(g - w) <= 6 * 3 or w == 0 for g, w in zip(got, want)), (noised["name"], split, got, want)
+            moved += sum(g != w for g, w in zip(got, want))
+    assert moved > 0.5 * sum(len(s["counts"][k]) for s in exact["sites"] for k in ("train", "val", "test", "holdout"))
+    assert private["heatmap"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (line,) = private["rounds"]
+    delta = default_delta(len(SITES))
+    assert line["privacy"]["epsilon"] == pytest.approx(epsilon_of("rdp", [[3.0, 1.0, 1], [1.0, 1.0, 1]], delta), rel=1e-9)
+    assert line["privacy"]["epsilon"] > epsilon_of("rdp", [[1.0, 1.0, 1]], delta)  # the census counts
+    assert private["summary"]["privacy"]["census_noise"] == 3
+    assert "census's label counts (Gaussian noise, std 3)" in private["stdout"]

@@ -120,12 +120,16 @@ def test_the_defaults_and_the_federations_served():
 
 def test_the_epsilon_a_site_counts():
     """Local mode: against the server itself (q = 1, sigma / 2 per round, `epsilon_against_server`); central mode: the
-    run's planned epsilon at its sample rate, capped by target_epsilon (the run stops or calibrates there)."""
+    run's planned epsilon at its sample rate, capped by target_epsilon (the run stops or calibrates there); both with the
+    census's noised label counts first (counted against the server as a round is: conservative, its sensitivity is 1)."""
     from fedpipe.engine.accounting import epsilon_against_server, epsilon_of
 
-    assert run_epsilon(spec(LOCAL, rounds=40)) == pytest.approx(epsilon_against_server("rdp", [[4.0, 1.0, 40]], 1e-5))
+    # the census's noised label counts (privacy.census_noise_multiplier, default 10) are spent once before the rounds
+    assert run_epsilon(spec(LOCAL, rounds=40)) == pytest.approx(epsilon_against_server("rdp", [[10.0, 1.0, 1], [4.0, 1.0, 40]], 1e-5))
+    withheld = {**LOCAL, "census_noise_multiplier": None}
+    assert run_epsilon(spec(withheld, rounds=40)) == pytest.approx(epsilon_against_server("rdp", [[4.0, 1.0, 40]], 1e-5))
     central = {**LOCAL, "mode": "central"}
-    assert run_epsilon(spec(central, rounds=40, fraction=0.5)) == pytest.approx(epsilon_of("rdp", [[4.0, 0.5, 40]], 1e-5))
+    assert run_epsilon(spec(central, rounds=40, fraction=0.5)) == pytest.approx(epsilon_of("rdp", [[10.0, 1.0, 1], [4.0, 0.5, 40]], 1e-5))
     assert run_epsilon(spec({**central, "target_epsilon": 1.0}, rounds=40)) == 1.0
 
 
