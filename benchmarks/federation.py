@@ -4,6 +4,7 @@ Flower's own FedAvg app, on the same model, data and sites, with and without Sec
     .venv/bin/python benchmarks/federation.py --quick          # 4 sites, 2 rounds, no SecAgg+ (a few minutes)
     .venv/bin/python benchmarks/federation.py                  # 4 and 16 sites, 3 rounds, with and without SecAgg+
     .venv/bin/python benchmarks/federation.py --sites 4 --only federation,flower --work /tmp/fb   # keep the logs
+    .venv/bin/python benchmarks/federation.py --methods all --rounds 3   # every method at 4 sites: federation vs simulation
 
 The same config everywhere: FedAvg, the 2NN (784-200-200-10, `model.name=twonn`), mnist5k split `pathological`
 into one client per site, every site every round, 1 local epoch, batch 20, SGD as fedpipe's defaults (lr 0.01,
@@ -423,6 +424,100 @@ def model_size(spec_input: tuple[int, ...] = (1, 28, 28), classes: int = 10, hid
     return 4 * (n * hidden + hidden + hidden * hidden + hidden + hidden * classes + classes)  # float32
 
 
+# --- every method over one federation ------------------------------------------------------------------------
+#: what the per-method table changes from a method's defaults, to keep its run short (said under the table)
+METHOD_SETS = {"fedmoe": ["method.max_epochs=5"]}
+
+
+def bench_methods(methods: list[str], sites: int, rounds: int, work: Path, env: Path, timeout: float) -> list[dict]:
+    """Each method once simulated and once over one loopback federation (fedpipe's warm sites, the same partition and
+    seed): per round seconds (median of the rounds after the first), MB up and down per round (array bytes over all
+    sites, the communicating rounds), and the final personalized accuracy (mean over the sites, each on its own test
+    split) in both."""
+    from fedpipe.federation.spec import FederationSpec
+    from fedpipe.federation.tryout import LoopbackFederation, prepare
+    from fedpipe.run.config import load_config
+    from fedpipe.run.run import Run
+
+    def method_config(m: str):
+        return load_config(None, [*BASE, f"method.name={m}", *METHOD_SETS.get(m, []), f"partition.num_clients={sites}",
+                                  f"train.rounds={rounds}", f"run.store={work / 'store'}", f"run.id=methods-{m}"])
+
+    spec_file, folders = prepare(method_config(methods[0]), fresh(work / "sites"))
+    shape = FederationSpec.read(str(spec_file))
+    rows = []
+    with LoopbackFederation(work / "fed", env, server_root=work) as fed:
+        for folder in folders:
+            fed.start_site(folder)
+        for m in methods:
+            say(f"{m}: simulation, then {sites} sites")
+            cfg = method_config(m)
+            t0 = time.perf_counter()
+            run = Run(cfg)
+            run.partition()
+            for phase in run.phases():
+                run.train(phase.name)
+            simulated = run.evaluate()
+            sim_rounds = [json.loads(line) for phase in run.phases()
+                          for line in (Path(cfg.run.store) / cfg.run_id() / "report" / f"rounds-{phase.name}.jsonl").read_text().splitlines()]
+            t1 = time.perf_counter()
+            spec = FederationSpec.from_run_config(cfg, tuple(shape.input_shape), shape.num_classes, len(folders))
+            (work / f"spec-{m}.json").write_text(spec.to_json())
+            out = fresh(work / f"out-{m}")
+            fed.run(work / f"spec-{m}.json", out, timeout=timeout)
+            fed_rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines() if line.strip()]
+            scores = json.loads((out / "evaluation.json").read_text())
+            moving = [r for r in fed_rounds if r["bytes_up"] or r["bytes_down"]] or fed_rounds
+            later = lambda rows, key="seconds": [r[key] for r in rows[1:]] or [r[key] for r in rows]  # noqa: E731
+            rows.append({"method": m, "rounds": len(fed_rounds), "round_s": statistics.median(later(fed_rounds)),
+                         "sim_round_s": statistics.median(later(sim_rounds)),
+                         "up_mb": statistics.mean(r["bytes_up"] for r in moving) / 1e6,
+                         "down_mb": statistics.mean(r["bytes_down"] for r in moving) / 1e6,
+                         "accuracy": statistics.mean(float(s["accuracy"]) for s in scores.values()),
+                         "sim_accuracy": float(simulated["personalized_accuracy"]["mean"]),
+                         "failed": sum(r["failed"] for r in fed_rounds), "sim_s": t1 - t0, "fed_s": time.perf_counter() - t1})
+            say(f"  federation {rows[-1]['accuracy']:.4f} vs simulation {rows[-1]['sim_accuracy']:.4f}, "
+                f"round {rows[-1]['round_s']:.2f} s")
+    return rows
+
+
+def methods_table(rows: list[dict]) -> str:
+    lines = ["| method | rounds | round s (federation) | round s (simulation) | MB up / round | MB down / round | "
+             "accuracy, federation | accuracy, simulation | failed site rounds |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['rounds']} | {r['round_s']:.2f} | {r['sim_round_s']:.2f} | {r['up_mb']:.2f} | "
+                     f"{r['down_mb']:.2f} | {r['accuracy']:.4f} | {r['sim_accuracy']:.4f} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def main_methods(args, command: str) -> int:
+    """`--methods`: the per-method table (benchmarks/results/federation-methods.md/.json)."""
+    from fedpipe.algorithms import ALGORITHMS
+
+    methods = list(ALGORITHMS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in methods if m not in ALGORITHMS]:
+        raise SystemExit(f"--methods: unknown method(s) {unknown}; choose from {', '.join(ALGORITHMS)}, or all")
+    sites, rounds = args.sites[0] if args.sites != [4, 16] else 4, args.rounds
+    with tempfile.TemporaryDirectory(prefix="fedpipe-bench-methods-") as tmp:
+        rows = bench_methods(methods, sites, rounds, (args.work or Path(tmp)).resolve(), args.env.resolve(), args.timeout)
+    text = (f"# Every method over one federation\n\n`{command.strip()}`, {time.strftime('%Y-%m-%d')}.\n\n"
+            f"Machine: {machine(args.env)}.\n\n{sites} sites (loopback, TLS, fedpipe's warm sites), {rounds} rounds, the 2NN on "
+            "mnist5k pathological, every site every round, 1 local epoch, batch 20, seed 0, one torch thread per process; "
+            "each method's defaults" + "".join(f", {m}: {' '.join(v)}" for m, v in METHOD_SETS.items()) + ".\n\n"
+            + methods_table(rows) + "\n\n"
+            "- round s: the median of the rounds after the first (every phase's rounds; a phase that does not communicate "
+            "trains at the sites too). MB up / down: array bytes over all sites, per round that sends anything (Local: none).\n"
+            "- accuracy: the mean over the sites of each one's personalized accuracy on its own test split, as the "
+            "simulation's report computes it over its clients: the two agree where the federation's numbers equal the "
+            "simulation's (tests/federation/test_methods.py checks the models to rtol 1e-5).\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "federation-methods.md").write_text(text)
+    (args.out / "federation-methods.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sites", type=int, nargs="+", default=[4, 16], help="site counts to run (default: 4 16)")
@@ -434,7 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", type=Path, default=ROOT / ".cache" / "flower-venv", help="the Flower environment (scripts/flower-env.sh)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one run may take before it counts as failed")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where federation.md/.json go")
+    ap.add_argument("--methods", help="instead: every method (all, or a comma-separated list) simulated and over one "
+                                      "federation at --sites (default 4) for --rounds: the per-method table")
     args = ap.parse_args(argv)
+    if args.methods:
+        return main_methods(args, "benchmarks/federation.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if unknown := only - set(SYSTEMS):
         ap.error(f"--only: unknown system(s) {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")

@@ -13,7 +13,7 @@ from torch import nn
 from fedpipe.algorithms.base import ServerState, Upload
 from fedpipe.algorithms.ditto import Ditto, DittoParams
 from fedpipe.algorithms.fedamp import FedAMP, FedAMPParams
-from fedpipe.algorithms.fedfomo import IDS, WEIGHTS, FedFomo, FedFomoParams
+from fedpipe.algorithms.fedfomo import IDS, WEIGHTS, FedFomo, FedFomoParams, fomo_update
 from fedpipe.algorithms.fedper import FedPer, FedPerParams
 from fedpipe.algorithms.ifca import IFCA, IFCAParams
 from fedpipe.algorithms.pfedme import PFedMe, PFedMeParams
@@ -207,8 +207,8 @@ def test_fedfomo_weights_and_update_equal_hand_computation():
     weights = algo.fomo_weights(own, [a, b, c, d], None, None)
     assert weights == pytest.approx([0.5 / 5, -0.2 / 1, 0.0, 0.2 / 1])
     # theta_i + sum_n max(w_n, 0) / sum max(w, 0) (theta_n - theta_i)   (Eq. 6): 1/3 of a, 2/3 of d
-    assert algo.fomo_update(own, [a, b, c, d], weights)["p"].tolist() == pytest.approx([1 + 2 / 3, 4 / 3])
-    assert algo.fomo_update(own, [b], [-0.2])["p"] is own["p"]  # nothing helps: theta_i stays
+    assert fomo_update(own, [a, b, c, d], weights)["p"].tolist() == pytest.approx([1 + 2 / 3, 4 / 3])
+    assert fomo_update(own, [b], [-0.2])["p"] is own["p"]  # nothing helps: theta_i stays
     l1 = FedFomo(FedFomoParams(distance="l1"), Head(), seed=0)
     l1.validation_loss = algo.validation_loss
     assert l1.fomo_weights(own, [a], None, None) == pytest.approx([0.5 / 7])

@@ -145,8 +145,7 @@ class Algorithm(ABC):
     #: Why `privacy.enabled` cannot cover it (its server uses per-client statistics outside the clipped, noised
     #: sum), or None when the engine's differential privacy covers everything it uploads (`fedpipe.engine.privacy`)
     privacy_refusal: ClassVar[str | None] = None
-    #: What the server keeps per client between rounds by the method's definition (FedFomo's and FedAMP's models), or
-    #: None: a federation's server then holds nothing per site, and its checkpoint refuses to (`fedpipe.federation.resume`)
+    #: What its server keeps per client by definition (FedFomo's, FedAMP's models); None: nothing (`fedpipe.federation.resume`)
     server_holds: ClassVar[str | None] = None
     #: What privacy leaves visible even when it covers the method (said by `fedpipe methods` and the run's log)
     privacy_caveat: ClassVar[str | None] = None
@@ -203,15 +202,12 @@ class Algorithm(ABC):
         dtypes (not values) an upload must have. A federation's server checks every upload against it before
         aggregating (`fedpipe.federation.transport.check_upload`). By default the download's layout (the method
         uploads what it downloaded, trained); a method whose upload carries more or other tensors declares them here
-        (pFedMB: its branches and its alpha). A method whose upload is one of several forms (IFCA: the cluster the
-        client picked; FedMN: the units it trained) picks the form from the names the upload holds (`sent`); the
-        check then refuses any upload that is not wholly that form."""
+        (pFedMB: its branches and its alpha). Where the upload is one of several forms (IFCA's cluster, FedMN's units),
+        the names it holds (`sent`) pick the form, and an upload that is not wholly that form fails the check."""
         return download
 
     def upload_problem(self, phase: Phase, download: Params, upload: Params) -> str | None:
-        """What is wrong with an upload's values that its layout cannot show, in a few words (None: nothing). A
-        federation's server asks before it aggregates (a site may send anything); in a simulation every upload is
-        the method's own. FedFomo: ids of models the client was not sent."""
+        """What a federation's server finds wrong in an upload's values beyond its layout (FedFomo: ids not sent), or None."""
         return None
 
     def aggregation(self, phase: Phase) -> Aggregation:

@@ -70,6 +70,23 @@ def model_of(entry: Params) -> Params:
     return {n: t for n, t in entry.items() if not n.startswith("fedfomo/")}
 
 
+def fomo_update(own: Params, others: list[Params], weights: list[float]) -> Params:
+    """theta_i + sum_n max(w_n, 0) / sum_m max(w_m, 0) * (theta_n - theta_i) (Eq. 6); theta_i when
+    no weight is positive."""
+    positive = [max(w, 0.0) for w in weights]
+    total = sum(positive)
+    if total <= 0:
+        return own
+    out = {}
+    for n, t in own.items():
+        acc = t.double().clone()
+        for other, w in zip(others, positive):
+            if w > 0:
+                acc += (w / total) * (other[n].double() - t.double())
+        out[n] = acc.to(t.dtype)
+    return out
+
+
 class FedFomoParams(MethodParams):
     """FedFomo: each client mixes in the other clients' models that lower its validation loss."""
 
@@ -206,23 +223,6 @@ class FedFomo(Algorithm):
             weights.append((base - self.validation_loss(other, x, y)) / dist if dist > 0 else 0.0)
         return weights
 
-    @staticmethod
-    def fomo_update(own: Params, others: list[Params], weights: list[float]) -> Params:
-        """theta_i + sum_n max(w_n, 0) / sum_m max(w_m, 0) * (theta_n - theta_i) (Eq. 6); theta_i when
-        no weight is positive."""
-        positive = [max(w, 0.0) for w in weights]
-        total = sum(positive)
-        if total <= 0:
-            return own
-        out = {}
-        for n, t in own.items():
-            acc = t.double().clone()
-            for other, w in zip(others, positive):
-                if w > 0:
-                    acc += (w / total) * (other[n].double() - t.double())
-            out[n] = acc.to(t.dtype)
-        return out
-
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         own = state if state is not None else self.initial()
         ids = sorted({int(n.split("/", 1)[0].removeprefix("client")) for n in download})
@@ -230,7 +230,7 @@ class FedFomo(Algorithm):
         split = ctx.data.val if len(ctx.data.val) else ctx.data.train
         weights = self.fomo_weights(own, others, split.x, split.y) if others else []
         return {
-            "model": self.fomo_update(own, others, weights),
+            "model": fomo_update(own, others, weights),
             "fomo": {WEIGHTS: torch.tensor(weights, dtype=torch.float32), IDS: torch.tensor(ids, dtype=torch.int64)},
         }
 

@@ -183,6 +183,15 @@ def selective_average(previous: Params, uploads: list[Upload], unit_tensors: dic
     return out
 
 
+def selective_layout(download: Params, unit_tensors: dict[str, tuple[str, ...]], shared: tuple[str, ...],
+                     sent: Collection[str]) -> Params:
+    """What a client's selective upload must hold, given the names it holds (`sent`): the `shared` tensors (the router)
+    and each unit it names, whole; a unit sent in part, or the router left out, fails a federation's check."""
+    sent = set(sent)
+    units = [u for u, names in unit_tensors.items() if sent.intersection(names)]
+    return {n: download[n] for n in (*shared, *(n for u in units for n in unit_tensors[u]))}
+
+
 def build_networks(params: FedMNParams, model: nn.Module, seed: int) -> tuple[nn.ModuleDict, str]:
     """The pool of units and the router ({"net", "router"}, on the model's device), sized from the
     configured model, and the encoder kind it uses (cnn or mlp)."""
@@ -304,15 +313,10 @@ class FedMN(Algorithm):
         """A personalized model (units + the client's DECISION) on `x`: the decision is a constant."""
         return self.network(params, x, params[DECISION].detach().to(x.device))
 
-    def temperature(self, round_: int, phase: Phase) -> float:
-        return temperature(self.params, round_, phase.first_round, phase.last_round)
-
     def path_variables(self, slots: Slots, noise: torch.Tensor) -> torch.Tensor:
-        """v for a batch: the epoch's hard decision (from the round's starting logits and the epoch's
-        noise, Eq. 3) with the straight-through gradient of the relaxed sample from the router being
-        trained; or the relaxed sample itself without straight-through."""
-        data = slots["data"]
-        logits = self.router_logits(slots["router"], data["x"], data["y"])
+        """v for a batch (Eq. 3): the epoch's hard decision (round-start logits + epoch noise) with the straight-through
+        gradient of the relaxed sample from the router being trained; or that relaxed sample, without straight-through."""
+        logits = self.router_logits(slots["router"], slots["data"]["x"], slots["data"]["y"])
         s = self.params.router_lr_scale
         if s != 1.0:
             logits = s * logits + (1.0 - s) * logits.detach()  # same value, gradient scaled by s
@@ -337,7 +341,7 @@ class FedMN(Algorithm):
         """Once per epoch: E logistic draws g = log u - log(1 - u), u ~ U(0, 1), and the round's tau last."""
         u = torch.rand(self.layout.num_paths, generator=generator, dtype=torch.float64).clamp(1e-7, 1 - 1e-7)
         g = torch.log(u) - torch.log1p(-u)
-        return torch.cat([g, torch.tensor([self.temperature(ctx.round, ctx.phase)], dtype=torch.float64)]).float()
+        return torch.cat([g, torch.tensor([temperature(self.params, ctx.round, ctx.phase.first_round, ctx.phase.last_round)], dtype=torch.float64)]).float()
 
     def loss(self, slots: Slots, x: torch.Tensor, y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         return cross_entropy(self.network(slots["units"], x, self.path_variables(slots, noise)), y)  # Eq. 2
@@ -365,11 +369,7 @@ class FedMN(Algorithm):
         return self.pool(server.global_params)
 
     def upload_layout(self, phase: Phase, download: Params, sent: Collection[str] = ()) -> Params:
-        """The router and each unit the upload names (the units the client trained: the selective upload), whole:
-        a unit with some of its tensors missing, or a router left out, fails the check."""
-        sent = set(sent)
-        units = [u for u, names in self.unit_tensors.items() if sent.intersection(names)]
-        return {n: download[n] for n in (*self.router_tensors, *(n for u in units for n in self.unit_tensors[u]))}
+        return selective_layout(download, self.unit_tensors, self.router_tensors, sent)
 
     def aggregation(self, phase: Phase) -> Aggregation:
         return custom("each unit averaged by samples over the clients that uploaded it (kept when none did), the router over all")

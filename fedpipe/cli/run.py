@@ -25,7 +25,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     its finished steps and resumes an interrupted phase from its last finished round.
     """
     from fedpipe.errors import CorruptArtifactError
-    from fedpipe.pipelines.local_runner import run_locally, run_method_locally
+    from fedpipe.pipelines.local_runner import run_method_locally
     from fedpipe.run.run import Run
     from fedpipe.safe_load import read_store_json
 
@@ -34,7 +34,10 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
 
         # no data snapshot to pin here (each site reads its own); the warm start's version is pinned, as in a simulation
         cfg = pin_init_from(_load(config, set, run_id))
-        _run_federated_benchmark(cfg, benchmark) if benchmark else _run_federated(cfg)
+        if benchmark:  # the benchmark pipeline's federation branch: one census, each method its own run at the same sites
+            _run_benchmark(cfg, benchmark, pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp", verbose)
+        else:
+            _run_federated(cfg)
         return
     cfg = _load_for_run(config, set, run_id)
     r = Run(cfg, take_over=take_over)
@@ -46,13 +49,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
     r.preflight()  # bad data, split or model: a clear message before anything is written
     root = pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp"
     if benchmark:
-        from fedpipe.pipelines.builder import DeployOptions, benchmark_pipeline
-
-        typer.echo(f"Running the benchmark pipeline of {', '.join(benchmark)} locally; task artifacts in {root}", err=True)
-        local_store = DeployOptions(store=cfg.run.store)
-        unpinned = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None})})  # one run per method
-        folder = run_locally(benchmark_pipeline(unpinned, benchmark, local_store), {}, root, verbose)
-        typer.echo((folder / "compare" / "table").read_text().rstrip())
+        _run_benchmark(cfg, benchmark, root, verbose)
         return
     typer.echo(f"Running pipeline {cfg.method.name} ({', '.join(p.name for p in r.phases())}) locally; task artifacts in {root}", err=True)
     folder = run_method_locally(cfg, root, verbose)
@@ -91,25 +88,20 @@ def _run_federated(cfg) -> None:
         _print_publication(open_store(str(cfg.run.store)), cfg.registry.name, Run(cfg).layout.run_id)
 
 
-def _run_federated_benchmark(cfg, methods: list[str]) -> None:
-    """`--benchmark` with engine.mode=federation: each method its own run (run id `<run>-<method>`) through the same
-    SuperLink on the same sites, one after another, then one comparison table (`fedpipe.federation.report`); nothing
-    is published (a benchmark compares, as the simulated one does)."""
-    from fedpipe.federation.launch import federate, site_count
-    from fedpipe.federation.report import comparison_table
-    from fedpipe.run.config import RunConfig
-    from fedpipe.run.run import Run
+def _run_benchmark(cfg, methods: list[str], root: Path, verbose: bool) -> None:
+    """`--benchmark`: the benchmark pipeline on this machine (kfp's local runner), then its comparison table. Simulated:
+    one partition, each method its own run on it; engine.mode=federation: one census, each method its own run through
+    the same SuperLink on the same sites (the pipeline's federation branch)."""
+    from fedpipe.pipelines.builder import DeployOptions, benchmark_pipeline
+    from fedpipe.pipelines.local_runner import run_locally
 
-    base = Run(cfg).layout.run_id
-    summaries = []
-    for i, method in enumerate(methods, 1):
-        tree = cfg.model_dump(mode="json")
-        tree.update(method={"name": method}, run={**tree["run"], "id": f"{base}-{method}"}, registry={**tree["registry"], "name": ""})
-        one = RunConfig.model_validate(tree)  # every check of the config again, with this method
-        typer.echo(f"[{i}/{len(methods)}] {method}: a federated run ({one.run.id}) through {cfg.federation.superlink} "
-                   f"on {site_count(cfg)} sites", err=True)
-        summaries.append(federate(one))
-    typer.echo(comparison_table(summaries))
+    where = "at the sites" if cfg.engine.mode == "federation" else "on one partition"
+    typer.echo(f"Running the benchmark pipeline of {', '.join(methods)} locally, {where}; task artifacts in {root}", err=True)
+    unpinned = cfg.model_copy(update={"run": cfg.run.model_copy(update={"id": None})})  # one run per method
+    folder = run_locally(benchmark_pipeline(unpinned, methods, DeployOptions(store=cfg.run.store)), {}, root, verbose)
+    # the simulation's comparison task is made first and keeps its plain name; the federation branch's is compare-2
+    table = next(p for p in (folder / "compare" / "table", folder / "compare-2" / "table") if p.exists())
+    typer.echo(table.read_text().rstrip())
 
 
 def _print_publication(store, name: str, run_id: str) -> None:

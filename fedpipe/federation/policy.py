@@ -211,9 +211,7 @@ def run_epsilon(spec) -> float:
     communicating phase's rounds at its sample rate and the noise multiplier), capped by target_epsilon; in local mode the epsilon against the server itself
     (`fedpipe.engine.accounting.epsilon_against_server`), which a site that trusts nobody counts."""
     from fedpipe.engine.accounting import epsilon_against_server, epsilon_of
-    from fedpipe.federation.private import sample_rate
-
-    from fedpipe.federation.private import census_release
+    from fedpipe.federation.private import census_release, sample_rate
 
     cfg = spec.privacy_cfg
     census = census_release(spec)  # the census's noised label counts, spent once before the first round

@@ -122,6 +122,10 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         # a private run: the census releases the label counts through the Gaussian mechanism (each site's own noise)
         private = _fedpipe("run", *(f"--set={s}" for s in [*federated, "run.id=private", "train.rounds=1", "registry.name=",
                                                            *PRIVATE]), timeout=300)
+        # a comparison across the federation: the benchmark pipeline's federation branch (one census, each method its own
+        # run through the same SuperLink on the same sites), from `fedpipe run --benchmark`
+        bench = _fedpipe("run", "--benchmark", "fedavg", "--benchmark", "local", "--pipeline-root", str(work / "bench-kfp"),
+                         *(f"--set={s}" for s in [*federated, "train.rounds=1", "registry.name="]), timeout=400)
         # the method's compiled pipeline in federation mode (the run parameter engine_mode; kfp's local runner, each
         # task its own process): the census, the phase and the evaluation, each a submission of its own
         from_ui = load_config(None, [*sets, "engine.mode=federation", f"federation.superlink=127.0.0.1:{fed.port}",
@@ -133,6 +137,7 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
         logs = {name: fed.log_of(name) for name in SITES}
     assert again.returncode == 0, again.stdout + again.stderr
     assert private.returncode == 0, private.stdout + private.stderr
+    assert bench.returncode == 0, bench.stdout + bench.stderr[-4000:]
     # the simulation of that second run: the same config, warm-started from the same version of the same line
     from fedpipe.models.warm import attach
 
@@ -151,6 +156,7 @@ def _own_files(work, flower_env, s3_server, s3_credentials) -> dict:
                 result=json.loads((out / "result.json").read_text()), census=json.loads((out / "census.json").read_text()),
                 evaluation=json.loads((out / "evaluation.json").read_text()), summary=json.loads((report / "summary.json").read_text()),
                 rounds=[json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()],
+                bench=bench.stdout, bench_err=bench.stderr,
                 private=dict(stdout=private.stdout, census=json.loads((store / "private" / "federation" / "census.json").read_text()),
                              rounds=[json.loads(line) for line in (store / "private" / "federation" / "rounds.jsonl").read_text().splitlines()],
                              summary=json.loads((store / "private" / "report" / "summary.json").read_text()),
@@ -331,3 +337,18 @@ def test_a_private_census_releases_noised_counts_and_counts_them(own_files):
     assert line["privacy"]["epsilon"] > epsilon_of("rdp", [[1.0, 1.0, 1]], delta)  # the census counts
     assert private["summary"]["privacy"]["census_noise"] == 3
     assert "census's label counts (Gaussian noise, std 3)" in private["stdout"]
+
+
+def test_a_benchmark_compares_methods_across_the_federation(own_files):
+    """`fedpipe run --benchmark fedavg --benchmark local` with engine.mode=federation: the benchmark pipeline's federation
+    branch ran one census and each method as its own run at the same five sites, and printed one comparison table:
+    FedAvg's global model and traffic, Local's personalized models and no traffic at all."""
+    table = own_files["bench"]
+    assert "federated over 5 sites" in table, table
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| method") and not line.startswith("| ---")}
+    assert set(rows) == {"fedavg", "local"}, table
+    fedavg, local = rows["fedavg"], rows["local"]
+    assert float(fedavg[0].split("%")[0]) > 10 and float(local[0].split("%")[0]) > 10  # above chance (10 digits)
+    assert fedavg[1] != "n/a" and local[1] == "n/a"  # Local has no global model
+    assert float(fedavg[3]) > 0 and float(local[3]) == float(local[4]) == 0  # MB up: Local sends nothing either way
