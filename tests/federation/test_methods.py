@@ -104,7 +104,7 @@ def methods(tmp_path_factory, flower_env):
                     with safetensors.safe_open(str(path), "pt") as f:
                         files[path.stem] = ((f.metadata() or {}).get("run"), {k: f.get_tensor(k) for k in f.keys()})
                 sites[cid] = files
-            results[name] = dict(spec=spec, sim=sim, result=result, out=out, sites=sites,
+            results[name] = dict(spec=spec, spec_file=spec_file, folders=folders, sim=sim, result=result, out=out, sites=sites,
                                  rounds=[json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()],
                                  evaluation=json.loads((out / "evaluation.json").read_text()))
     print(f"methods over one federation (simulation s, federation s): {timings}")
@@ -257,3 +257,35 @@ def test_an_opt_out_site_is_never_asked_to_upload(methods):
     assert {s["client_id"]: s["opt_out"] for s in census["sites"]} == {c: c == OPT_OUT for c in range(4)}
     for r in m["rounds"]:
         assert (str(OPT_OUT) in r["reported"]) == (r["phase"] != "federation"), r
+
+
+ASK_ANYWAY = """
+import sys
+from flwr.app import Context, RecordDict
+from fedpipe.federation import client_app
+from fedpipe.federation.spec import FederationSpec
+
+spec, folder, by_policy = FederationSpec.read(sys.argv[1]), sys.argv[2], sys.argv[3] == "policy"
+client_app.SETTINGS = client_app.SiteSettings(opt_out=by_policy)  # as the worker sets it from the site's policy
+try:
+    client_app._train_here(Context(1, 1, {"site-dir": folder}, RecordDict(), {}), spec, "federation", 1, 0.01, {})
+except client_app.OptedOut as e:
+    print("REFUSED:", e)
+"""
+
+
+@pytest.mark.parametrize("how", ["site.json", "policy"])
+def test_an_opt_out_site_refuses_a_communicating_round_asked_anyway(methods, flower_env, tmp_path, how):
+    """A server that asks an opt-out site (its own site.json, or its policy's opt_out) for FedMoE's federation round
+    anyway gets a refusal before the site trains: the rule is the site's, not the server's."""
+    import shutil
+    import subprocess
+
+    m = methods["fedmoe"]
+    folder = shutil.copytree(next(f for f in m["folders"] if json.loads((f / "site.json").read_text())["client_id"] == OPT_OUT),
+                             tmp_path / "site")
+    if how == "site.json":
+        (folder / "site.json").write_text(json.dumps({"client_id": OPT_OUT, "opt_out": True}))
+    done = subprocess.run([str(flower_env / "bin" / "python"), "-c", ASK_ANYWAY, str(m["spec_file"]), str(folder), how],
+                          capture_output=True, text=True, timeout=120)
+    assert "REFUSED: site 3 opts out" in done.stdout, done.stdout + done.stderr[-2000:]
