@@ -467,12 +467,11 @@ def bench_methods(methods: list[str], sites: int, rounds: int, work: Path, env: 
             fed.run(work / f"spec-{m}.json", out, timeout=timeout)
             fed_rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines() if line.strip()]
             scores = json.loads((out / "evaluation.json").read_text())
-            moving = [r for r in fed_rounds if r["bytes_up"] or r["bytes_down"]] or fed_rounds
+            per_round = lambda key, rows=fed_rounds: statistics.mean([r[key] for r in rows if r[key]] or [0]) / 1e6  # noqa: E731
             later = lambda rows, key="seconds": [r[key] for r in rows[1:]] or [r[key] for r in rows]  # noqa: E731
             rows.append({"method": m, "rounds": len(fed_rounds), "round_s": statistics.median(later(fed_rounds)),
                          "sim_round_s": statistics.median(later(sim_rounds)),
-                         "up_mb": statistics.mean(r["bytes_up"] for r in moving) / 1e6,
-                         "down_mb": statistics.mean(r["bytes_down"] for r in moving) / 1e6,
+                         "up_mb": per_round("bytes_up"), "down_mb": per_round("bytes_down"),
                          "accuracy": statistics.mean(float(s["accuracy"]) for s in scores.values()),
                          "sim_accuracy": float(simulated["personalized_accuracy"]["mean"]),
                          "failed": sum(r["failed"] for r in fed_rounds), "sim_s": t1 - t0, "fed_s": time.perf_counter() - t1})
@@ -507,7 +506,8 @@ def main_methods(args, command: str) -> int:
             "each method's defaults" + "".join(f", {m}: {' '.join(v)}" for m, v in METHOD_SETS.items()) + ".\n\n"
             + methods_table(rows) + "\n\n"
             "- round s: the median of the rounds after the first (every phase's rounds; a phase that does not communicate "
-            "trains at the sites too). MB up / down: array bytes over all sites, per round that sends anything (Local: none).\n"
+            "trains at the sites too). MB up / down: array bytes over all sites, the mean over the rounds that upload (down: "
+            "that download) anything; Local sends nothing either way.\n"
             "- accuracy: the mean over the sites of each one's personalized accuracy on its own test split, as the "
             "simulation's report computes it over its clients: the two agree where the federation's numbers equal the "
             "simulation's (tests/federation/test_methods.py checks the models to rtol 1e-5).\n")
