@@ -43,8 +43,10 @@ MODES = {"central": ["privacy.mode=central", "privacy.adaptive_clip=true", "priv
          "local": ["privacy.mode=local"],
          # central mode under SecAgg+: each site clips and masks its update and its centred clip bit; the server unmasks
          # only their sums, adds its noise to the sum and adapts the clip from the summed bits
+         # one round: a second round's local training amplifies the first round's quantisation error (by a factor that
+         # varies from run to run: SecAgg+ rounds stochastically), so the round is compared with its own bound
          "secure": ["privacy.mode=central", "privacy.adaptive_clip=true", "privacy.clip_count_stddev=1.0",
-                    "federation.secure_aggregation.enabled=true"]}
+                    "federation.secure_aggregation.enabled=true", "train.rounds=1"]}
 WARM = ["privacy.mode=central", "privacy.noise_multiplier=0.5"]
 
 
@@ -91,14 +93,13 @@ def private_runs(tmp_path_factory, flower_env):
 
 
 def secure_bound(cfg) -> float:
-    """How far SecAgg+'s quantisation may move the private model over the run's rounds, per value: each round's
-    unmasked mean of the sites' clipped updates (every site weighing max_weight) is within 1.25 quantisation steps
-    (tests/federation/test_secagg.py), the sum within the sites' number of them, the model within that over q W; three
-    times that per round for what one round's difference does to the next round's training."""
+    """How far SecAgg+'s quantisation may move one private round's model, per value: the unmasked mean of the sites'
+    clipped updates (every site weighing max_weight) is within 1.25 quantisation steps of the exact mean
+    (tests/federation/test_secagg.py), the sum within the sites' number of them, the model within that over q W."""
     secure = cfg.federation.secure_aggregation
     step = 2 * secure.clipping_range / secure.quantization_range
     sites, q = cfg.partition.num_clients, cfg.train.client_fraction
-    return 3 * cfg.train.rounds * sites * 1.25 * step / (q * sites)
+    return sites * 1.25 * step / (q * sites)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -113,7 +114,7 @@ def test_private_federation_equals_the_private_simulation(private_runs, mode):
     fed_eps = [line["privacy"]["epsilon"] for line in r["rounds"]]
     sim_eps = [line["extra"]["epsilon"] for line in r["sim_rounds"]]
     print(f"{mode}: epsilon per round federation {fed_eps}, simulation {sim_eps}")
-    assert fed_eps == pytest.approx(sim_eps, rel=1e-9) and fed_eps[-1] > fed_eps[0] > 0
+    assert fed_eps == pytest.approx(sim_eps, rel=1e-9) and fed_eps[0] > 0 and (len(fed_eps) == 1 or fed_eps[-1] > fed_eps[0])
 
 
 def test_local_mode_sites_release_only_their_noised_update(private_runs):
@@ -143,13 +144,13 @@ def test_a_private_warm_start_continues_the_versions_ledger_as_the_simulation_co
 
 def test_privacy_with_secagg_releases_only_sums(private_runs):
     """Under SecAgg+ the server adds its noise to the unmasked sum and adapts the clip from the summed centred clip
-    bits: every round was summed under the masks (no upload and no norm reached it: the sites report none), the clip
-    moved as the simulation's did (the bit count, summed under the masks, is quantised too), and the accountant spent
-    what the simulation's spent."""
-    secure, sim = private_runs["runs"]["secure"], private_runs["runs"]["secure"]["sim_rounds"]
-    for line, simulated in zip(secure["rounds"], sim):
-        assert line["secure_aggregation"]["sites_summed"] == line["clients"] > 0 and not line["secure_aggregation"]["halted"]
-        assert all("update-norm" not in m for m in line["reported"].values())
-        assert line["privacy"]["clip"] == pytest.approx(simulated["extra"]["privacy_clip"], rel=1e-4)
-    assert secure["rounds"][-1]["privacy"]["clip"] != 1.0  # the count moved it
-    assert secure["rounds"][-1]["privacy"]["epsilon"] == pytest.approx(sim[-1]["extra"]["epsilon"], rel=1e-9)
+    bits: the round was summed under the masks (no upload and no norm reached the server: the sites report none), the
+    clip it adapted to equals the simulation's (the bit count, summed under the masks, is quantised too), and the
+    accountant spent what the simulation's spent."""
+    secure = private_runs["runs"]["secure"]
+    (line,), (simulated,) = secure["rounds"], secure["sim_rounds"]
+    assert line["secure_aggregation"]["sites_summed"] == line["clients"] > 0 and not line["secure_aggregation"]["halted"]
+    assert line["failed"] == 0 and all("update-norm" not in m for m in line["reported"].values())
+    assert line["privacy"]["epsilon"] == pytest.approx(simulated["extra"]["epsilon"], rel=1e-9)
+    adapted = PhaseState.from_bytes((secure["out"] / CHECKPOINT).read_bytes(), "cpu").privacy.clip
+    assert adapted != 1.0 and adapted == pytest.approx(secure["sim_ledger"].clip, rel=1e-4)  # the summed bits moved it

@@ -40,7 +40,6 @@ import torch
 from runs import train_all
 
 from fedpipe.algorithms.aggregation import weighted_average
-from fedpipe.errors import ConfigError
 from fedpipe.federation import audit
 from fedpipe.federation.spec import FederationSpec, refusal
 from fedpipe.federation.support import SECURE_AGGREGATION, secure_refusal
@@ -92,14 +91,16 @@ def test_secure_aggregation_refused_for_methods_that_are_not_a_weighted_sum(tmp_
     assert refusal("fedavg", secure_aggregation=True) is None
     assert "fedavg" in SECURE_AGGREGATION and secure_refusal("fedavg") is None
     assert refusal("superfed_mm", secure_aggregation=True) is None
-    why = secure_refusal("fedamp")  # a method whose rule needs each upload (were it federated)
-    assert why and "fedamp" in why and "not a mean of the uploads" in why and "\n" not in why
+    for method, reason in (("fedamp", "needs each upload in the clear"), ("fedfomo", "needs each upload in the clear"),
+                           ("ifca", "must see each upload's cluster"), ("fedmn", "must see which units each upload holds")):
+        why = refusal(method, secure_aggregation=True)  # refused by the math of its aggregate, and saying so
+        assert why and repr(method) in why and reason in why and "\n" not in why, why
+    assert refusal("fedmoe", secure_aggregation=True) is None and refusal("local", secure_aggregation=True) is None
     assert refusal("fedavg_ft", secure_aggregation=True) is None  # its finetune phase sends nothing: plain rounds
     assert refusal("pfedme", secure_aggregation=True) is None  # a uniform mean, then its server mix
     assert refusal("pfedmb", secure_aggregation=True) is None  # Eq. 5 as a quotient of two masked sums
     cfg = load_config(None, [*OVERRIDES, "method.name=fedavg", "privacy.enabled=true", *SECURE, f"run.store={tmp_path}"])
-    with pytest.raises(ConfigError, match="privacy.enabled with federation.secure_aggregation"):
-        FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4)
+    assert FederationSpec.from_run_config(cfg, (1, 28, 28), 10, 4).privacy_cfg is not None  # together (test_privacy_federated.py)
     spec = FederationSpec.from_run_config(load_config(None, [*OVERRIDES, *SECURE, f"run.store={tmp_path}"]), (1, 28, 28), 10, 4)
     assert spec.federation_cfg.secure_aggregation.enabled
 

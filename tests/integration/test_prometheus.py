@@ -224,6 +224,17 @@ def groups_of(gateway: str, run_id: str) -> list[dict[str, str]]:
     return [g["labels"] for g in data if g["labels"].get("run_id") == run_id]
 
 
+def groups_after_deletion(gateway: str, run_id: str, wait: float = 5.0) -> list[dict[str, str]]:
+    """The run's groups once the Pushgateway has applied a deletion it answered 202 to: it queues every write, deletions
+    included ("There is no guarantee when a request will be processed", storage/interface.go `SubmitWriteRequest`;
+    storage/diskmetricstore.go applies the queue in its own `loop`), so a read right after the DELETE may still list
+    the group. Polled for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while (groups := groups_of(gateway, run_id)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return groups
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder whose phases are trained (no metrics pushed) and not yet evaluated."""
@@ -277,7 +288,7 @@ def test_finished_run_deletes_all_its_groups_and_keeps_other_runs(
     caplog.set_level(logging.INFO, logger="fedpipe.telemetry.prometheus")
     summary = run.evaluate()
     assert summary["report"]
-    assert groups_of(pushgateway, run_id) == []
+    assert groups_after_deletion(pushgateway, run_id) == []
     assert len(groups_of(pushgateway, other.run_id)) == 1
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Deleted")]
     assert f"3 metric groups of run {run_id}" in line and "federation, personalization" in line
@@ -309,7 +320,7 @@ def test_groups_stay_for_the_retention_then_go(trained: Path, tmp_path: Path, pu
     assert all(n == 2 for age, n in seen if age < 1.8), seen  # kept for the retention...
     assert any(age >= 1.5 for age, _ in seen), seen  # (observed late in it)
     assert finished >= 2.0
-    assert groups_of(pushgateway, run_id) == []  # ...and gone after
+    assert groups_after_deletion(pushgateway, run_id) == []  # ...and gone after
 
 
 def test_prometheus_scraped_the_final_values_before_deletion(
@@ -319,7 +330,7 @@ def test_prometheus_scraped_the_final_values_before_deletion(
     sel = f'{{run_id="{run.layout.run_id}",phase="personalization"}}'
     push_phases(pushgateway, run, final_round=7)
     run.evaluate()
-    assert groups_of(pushgateway, run.layout.run_id) == []
+    assert groups_after_deletion(pushgateway, run.layout.run_id) == []
     # Prometheus holds the final values (scraped while the groups were kept)...
     (final,) = query(prometheus, f"last_over_time(fedpipe_round{sel}[5m])")
     assert float(final["value"][1]) == 7
@@ -357,4 +368,4 @@ def test_push_time_ahead_of_the_clock_waits_only_the_retention(pushgateway: str)
     )
     assert slept == [30]
     assert deleted == [PrometheusSink.grouping_key(lab)]
-    assert groups_of(pushgateway, lab.run_id) == []
+    assert groups_after_deletion(pushgateway, lab.run_id) == []
