@@ -70,6 +70,11 @@ def model_of(entry: Params) -> Params:
     return {n: t for n, t in entry.items() if not n.startswith("fedfomo/")}
 
 
+def downloaded_ids(download: Params) -> list[int]:
+    """The clients whose models a download holds (`client{j}/...` names), in order."""
+    return sorted({int(n.split("/", 1)[0].removeprefix("client")) for n in download})
+
+
 def fomo_update(own: Params, others: list[Params], weights: list[float]) -> Params:
     """theta_i + sum_n max(w_n, 0) / sum_m max(w_m, 0) * (theta_n - theta_i) (Eq. 6); theta_i when
     no weight is positive."""
@@ -157,13 +162,13 @@ class FedFomo(Algorithm):
         """Its own model (the network's layout) and one weight w_n and id per model it downloaded (Eq. 5)."""
         like = next(iter(download.values()), None)
         device = like.device if like is not None else torch.device("cpu")
-        m = len({n.split("/", 1)[0] for n in download})
+        m = len(downloaded_ids(download))
         return {**{n: t.to(device) for n, t in self.initial().items()}, WEIGHTS: torch.zeros(m, dtype=torch.float32, device=device),
                 IDS: torch.zeros(m, dtype=torch.int64, device=device)}
 
     def upload_problem(self, phase: Phase, download: Params, upload: Params) -> str | None:
         """The ids must be those of the models the client downloaded, in order (they index the server's affinities)."""
-        sent = sorted({int(n.split("/", 1)[0].removeprefix("client")) for n in download})
+        sent = downloaded_ids(download)
         if upload[IDS].tolist() != sent:
             return f"its weights name clients {upload[IDS].tolist()[:5]}, but it was sent the models of {sent[:5]}"
         return None
@@ -225,7 +230,7 @@ class FedFomo(Algorithm):
 
     def client_params(self, ctx: ClientContext, download: Params, state: Params | None) -> Slots:
         own = state if state is not None else self.initial()
-        ids = sorted({int(n.split("/", 1)[0].removeprefix("client")) for n in download})
+        ids = downloaded_ids(download)
         others = [{n.removeprefix(client_prefix(j)): t for n, t in download.items() if n.startswith(client_prefix(j))} for j in ids]
         split = ctx.data.val if len(ctx.data.val) else ctx.data.train
         weights = self.fomo_weights(own, others, split.x, split.y) if others else []

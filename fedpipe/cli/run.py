@@ -35,7 +35,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
         # no data snapshot to pin here (each site reads its own); the warm start's version is pinned, as in a simulation
         cfg = pin_init_from(_load(config, set, run_id))
         if benchmark:  # the benchmark pipeline's federation branch: one census, each method its own run at the same sites
-            _run_benchmark(cfg, benchmark, pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp", verbose)
+            _run_benchmark(cfg, benchmark, pipeline_root or _pipeline_root(cfg), verbose)
         else:
             _run_federated(cfg)
         return
@@ -47,7 +47,7 @@ def run(config: ConfigOpt = None, set: SetOpt = None, run_id: RunIdOpt = None,
         with r.owner:
             pass
     r.preflight()  # bad data, split or model: a clear message before anything is written
-    root = pipeline_root or Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp"
+    root = pipeline_root or _pipeline_root(cfg)
     if benchmark:
         _run_benchmark(cfg, benchmark, root, verbose)
         return
@@ -86,6 +86,11 @@ def _run_federated(cfg) -> None:
     if cfg.registry.name:
         publish_federated(cfg, summary, None if champion is None else champion[0])
         _print_publication(open_store(str(cfg.run.store)), cfg.registry.name, Run(cfg).layout.run_id)
+
+
+def _pipeline_root(cfg) -> Path:
+    """Where the local runner keeps the pipeline's task artifacts by default: <store>/_kfp (runs/_kfp for an S3 store)."""
+    return Path(cfg.run.store if "://" not in cfg.run.store else "runs") / "_kfp"
 
 
 def _run_benchmark(cfg, methods: list[str], root: Path, verbose: bool) -> None:

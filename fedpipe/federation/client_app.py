@@ -41,7 +41,7 @@ from fedpipe.engine.evaluation import evaluate_model, evaluate_personalized
 from fedpipe.engine.privacy import CLIP_BIT, centred_bit
 from fedpipe.federation import audit
 from fedpipe.federation.faults import claimed_samples, corrupt, inflated_evaluation, injected_fault
-from fedpipe.federation.private import census_release, noised_counts, secret_in, site_privacy
+from fedpipe.federation.private import census_release, masked_layout, noised_counts, secret_in, site_privacy
 from fedpipe.federation.sites import Site, keep_for_serving, state_digest
 from fedpipe.federation.spec import FederationSpec
 from fedpipe.federation.transport import UploadRejected, check_upload, from_record, to_record
@@ -210,12 +210,8 @@ def private_upload(spec: FederationSpec, layout: dict[str, torch.Tensor], outcom
     cfg = spec.privacy_cfg
     if cfg is None:
         return layout, outcome.upload
-    layout = {k: t.to(torch.float64) for k, t in layout.items()}
-    upload = dict(outcome.upload)
-    if cfg.adaptive_clip:
-        layout[CLIP_BIT] = torch.zeros(1, dtype=torch.float64)
-        upload[CLIP_BIT] = torch.tensor([centred_bit(float(outcome.update_norm), float(clip))], dtype=torch.float64)
-    return layout, upload
+    bit = {CLIP_BIT: torch.tensor([centred_bit(float(outcome.update_norm), float(clip))], dtype=torch.float64)}
+    return masked_layout(layout, cfg), {**outcome.upload, **(bit if cfg.adaptive_clip else {})}
 
 
 def secure_train(msg: Message, context: Context) -> Message:

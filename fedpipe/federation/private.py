@@ -11,7 +11,8 @@ clip of Andrew et al. 2021), used on both sides exactly as the simulation uses i
 - each site (`site_privacy`) clips its own update with the clip the server sends (`privacy-clip` in the round's
   config) and, in local mode, adds its own noise before anything leaves it (`Privacy.privatize`), keyed by the site's
   own secret (`privacy-secret` in its folder, never sent): the server cannot subtract it. The site reports its
-  update's norm before clipping (`update-norm`), which adaptive clipping counts, as the simulation's server does.
+  update's norm before clipping (`update-norm`), which adaptive clipping counts, as the simulation's server does;
+  under SecAgg+ it masks its centred clip bit with its update instead (`masked_layout`), and reports no norm.
 
 With `privacy.seeded_noise` every draw is keyed by the seed instead (tests and reproductions only: the noise is then
 known to anyone with the config), and a federation then releases exactly what the simulation releases.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from fedpipe.algorithms.base import Phase
-from fedpipe.engine.privacy import Privacy, noise_generator
+from fedpipe.engine.privacy import CLIP_BIT, Privacy, noise_generator
 
 SECRET = "privacy-secret"
 
@@ -97,3 +98,13 @@ def census_release(spec) -> float | None:
     if cfg is None or cfg.census_noise_multiplier is None or not spec.site_data:
         return None
     return float(cfg.census_noise_multiplier)
+
+
+def masked_layout(layout: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """What a private site puts under SecAgg+'s masks, for `layout` the method's upload: its clipped update, float64 (as
+    `Privacy.privatize` makes it), and with adaptive clipping its centred clip bit (`CLIP_BIT`, one value), so that the
+    server learns only the bits' sum. The site builds its upload in this layout and the server reads the sum by it."""
+    masked = {k: t.to(torch.float64) for k, t in layout.items()}
+    if cfg.adaptive_clip:
+        masked[CLIP_BIT] = torch.zeros(1, dtype=torch.float64)
+    return masked

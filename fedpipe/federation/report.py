@@ -21,6 +21,7 @@ import csv
 import html
 import io
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def comparison_table(summaries: list[dict]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for s in sorted(summaries, key=lambda s: str(s.get("method", s.get("title", "")))):
         accs = [float(site["accuracy"]) for site in s.get("per_site", {}).values()]
-        std = (sum((a - s["personalized_accuracy"]) ** 2 for a in accs) / len(accs)) ** 0.5 if accs else None
+        std = statistics.pstdev(accs) if accs else None
         eps = s.get("privacy", {}).get("epsilon") if s.get("privacy") else None
         lines.append(f"| {md_text(s.get('method', s.get('title', '?')))} | {pct(s['personalized_accuracy'])} ± {pct(std)} | "
                      f"{pct(s.get('global_accuracy'))} | {md_text(s.get('rounds'))} | {_number(s.get('bytes_up'), '.1f', 1e-6)} | "

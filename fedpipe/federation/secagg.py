@@ -51,10 +51,10 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 from fedpipe.algorithms.base import Algorithm, Phase
 from fedpipe.config import SecureAggregationConfig
 from fedpipe.engine.clients import ClientOutcome, ClientWork
-from fedpipe.engine.privacy import CLIP_BIT
 from fedpipe.engine.sequential import ClientStats
 from fedpipe.errors import ConfigError
 from fedpipe.federation import audit
+from fedpipe.federation.private import masked_layout
 from fedpipe.federation.spec import FederationSpec, refusal
 from fedpipe.federation.transport import POLL
 
@@ -274,9 +274,7 @@ class SecureSiteRound:
         """The layout the sites put under the masks: the method's upload (`SiteRound.expected_upload`), and with privacy's
         adaptive clipping the centred clip bit (`CLIP_BIT`), summed with the updates so that no bit is seen alone."""
         layout = self.plain.expected_upload(work)
-        if self.privacy is not None and self.privacy.cfg.adaptive_clip:
-            layout = {**layout, CLIP_BIT: torch.zeros(1, dtype=torch.float64)}
-        return layout
+        return layout if self.privacy is None else masked_layout(layout, self.privacy.cfg)
 
     @staticmethod
     def _averaged(mean: list[np.ndarray], layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
